@@ -1,0 +1,1 @@
+"""Held refunds and the named people with the authority to approve them."""

@@ -1,0 +1,96 @@
+"""Approving, rejecting and expiring held refunds. Stands on refundops' services."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from approvals.models import ApprovalAuthority
+from audit.services import record_audit
+from processors.money import format_minor
+from refundops.callers import Caller
+from refundops.errors import ApiError
+from refundops.locks import lock_payment, lock_refund
+from refundops.models import Refund, RefundState
+from refundops.services.refunds import sync_payment_amounts
+from refundops.tasks import enqueue_submission
+
+
+class ApprovalError(ApiError):
+    pass
+
+
+def ensure_approval_authority(*, approver, refund: Refund) -> None:
+    authority = ApprovalAuthority.objects.filter(user=approver, currency=refund.currency, is_active=True).first()
+    if authority is None:
+        raise ApprovalError("APPROVAL_NOT_AUTHORIZED",
+                            f"{approver.get_username()} has no refund authority in {refund.currency}.")
+    if refund.amount_minor > authority.max_amount_minor:
+        raise ApprovalError("APPROVAL_NOT_AUTHORIZED",
+                            f"{format_minor(refund.amount_minor, refund.currency)} is above "
+                            f"{approver.get_username()}'s authority of "
+                            f"{format_minor(authority.max_amount_minor, refund.currency)}.")
+    if refund.agent_id is None and refund.requested_by_id == approver.pk:
+        raise ApprovalError("APPROVAL_NOT_AUTHORIZED", "A person cannot approve a refund they asked for.")
+
+
+def _locked(refund_id: str) -> Refund:
+    lock_payment(Refund.objects.values_list("payment_id", flat=True).get(pk=refund_id))
+    return lock_refund(refund_id)
+
+
+def _require_held(refund: Refund) -> None:
+    if refund.status != RefundState.HELD:
+        raise ApprovalError("REFUND_NOT_HELD", f"Refund {refund.pk} is {refund.status}, not held.")
+
+
+@transaction.atomic
+def approve_refund(*, refund_id: str, approver, note: str = "") -> Refund:
+    refund = _locked(refund_id)
+    _require_held(refund)
+    ensure_approval_authority(approver=approver, refund=refund)
+    refund.approve()
+    refund._change_reason = f"approved by {approver.get_username()}" + (f": {note}" if note else "")
+    refund.save()
+    record_audit(actor=Caller.for_user(approver).label, action="refund.approved", subject_type="refund",
+                 subject_id=refund.pk, data={"note": note, "hold_reasons": refund.hold_reasons,
+                                             "amount_minor": refund.amount_minor, "currency": refund.currency})
+    enqueue_submission(refund.pk)
+    return refund
+
+
+@transaction.atomic
+def reject_refund(*, refund_id: str, approver, note: str = "") -> Refund:
+    refund = _locked(refund_id)
+    _require_held(refund)
+    if not approver.has_perm("refundops.approve_refund"):
+        raise ApprovalError("APPROVAL_NOT_AUTHORIZED", f"{approver.get_username()} may not decide held refunds.")
+    refund.reject(message=note)
+    refund._change_reason = f"rejected by {approver.get_username()}" + (f": {note}" if note else "")
+    refund.save()
+    sync_payment_amounts(refund.payment)
+    record_audit(actor=Caller.for_user(approver).label, action="refund.rejected", subject_type="refund",
+                 subject_id=refund.pk, data={"note": note})
+    return refund
+
+
+def expire_held_refunds(*, now=None) -> int:
+    """Held refunds nobody decided within HELD_REFUND_EXPIRY_HOURS give their amount back."""
+    now = now or timezone.now()
+    cutoff = now - timedelta(hours=settings.HELD_REFUND_EXPIRY_HOURS)
+    expired = 0
+    for refund_id in Refund.objects.filter(status=RefundState.HELD, created_at__lte=cutoff).values_list("pk", flat=True):
+        with transaction.atomic():
+            refund = _locked(refund_id)
+            if refund.status != RefundState.HELD:
+                continue
+            refund.expire()
+            refund._change_reason = f"no decision within {settings.HELD_REFUND_EXPIRY_HOURS}h"
+            refund.save()
+            sync_payment_amounts(refund.payment)
+            record_audit(actor="system:expiry", action="refund.expired", subject_type="refund", subject_id=refund.pk)
+            expired += 1
+    return expired

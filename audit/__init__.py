@@ -1,0 +1,1 @@
+"""Verdicts, the append-only audit log and reports. The ground floor: imports nothing above it."""

@@ -1,0 +1,112 @@
+"""The one interface every gateway adapter implements, and the plain types it speaks.
+
+Adapters translate SDK exceptions at their edge: a failure worth retrying (connection, timeout,
+rate limit, 5xx) becomes :class:`ProcessorUnavailable`; a final refusal becomes
+:class:`ProcessorDeclined` with a code. Nothing else escapes an adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from processors.money import Money
+
+RefundStatus = Literal["pending", "succeeded", "failed", "canceled"]
+
+
+@dataclass(frozen=True, slots=True)
+class PaymentRef:
+    """Where a payment lives on its gateway."""
+
+    processor: str  # "stripe", "paypal", "sandbox"
+    account: str  # which configured account of that gateway took the payment
+    reference: str  # Stripe payment intent or charge id, PayPal capture id, sandbox charge id
+    authorization_reference: str = ""  # PayPal authorisation id, for void and capture
+
+
+@dataclass(frozen=True, slots=True)
+class RefundRequest:
+    payment: PaymentRef
+    amount: Money
+    reason: str  # our reason code; adapters map it to the gateway's own
+    idempotency_key: str  # derived from our refund id, so a retry is the same request
+    refund_id: str  # rf_…
+    verdict_id: str  # vd_… that allowed this write; sent to the gateway as metadata
+
+
+@dataclass(frozen=True, slots=True)
+class RefundResult:
+    processor_refund_id: str
+    status: RefundStatus
+    amount: Money
+    failure_code: str = ""
+    failure_message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class VoidResult:
+    reference: str
+    status: Literal["voided"]
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureResult:
+    reference: str  # the gateway's id for the capture (PayPal capture id, Stripe payment intent)
+    amount: Money
+    status: Literal["captured", "pending"]
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookEvent:
+    """A verified inbound event, reduced to what we act on."""
+
+    processor: str
+    event_id: str
+    type: str  # the gateway's own event type, e.g. "charge.refund.updated"
+    object_id: str  # id of the object the event is about (refund, charge, dispute)
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+class ProcessorError(Exception):
+    def __init__(self, message: str, *, code: str = "processor_error") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ProcessorUnavailable(ProcessorError):
+    """Retry later: the gateway is down, slow, or rate limiting. Nothing was decided."""
+
+    def __init__(self, message: str, *, code: str = "processor_unavailable",
+                 retry_after: float | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+class ProcessorDeclined(ProcessorError):
+    """A final answer from the gateway: retrying the same request will not change it."""
+
+
+class InvalidWebhook(ProcessorError):
+    """The event's signature did not verify (or it is stale, or malformed)."""
+
+    def __init__(self, message: str, *, code: str = "invalid_signature") -> None:
+        super().__init__(message, code=code)
+
+
+class PaymentProcessor(Protocol):
+    name: str
+    account: str
+
+    def refund(self, request: RefundRequest) -> RefundResult: ...
+
+    def fetch_refund(self, processor_refund_id: str) -> RefundResult: ...
+
+    def void(self, payment: PaymentRef, *, idempotency_key: str, verdict_id: str) -> VoidResult: ...
+
+    def capture(self, payment: PaymentRef, amount: Money, *, idempotency_key: str,
+                verdict_id: str) -> CaptureResult: ...
+
+    def verify_webhook(self, payload: bytes, headers: Mapping[str, str]) -> WebhookEvent: ...

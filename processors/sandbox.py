@@ -1,0 +1,161 @@
+"""The built-in sandbox gateway: a real adapter behind the processor interface.
+
+It keeps its own ledger (``processors.models``), refuses to refund more than a charge captured,
+answers a repeated idempotency key with the first refund (so a retry can never pay twice), reports
+success after a configurable delay, and can be told to decline or to be down.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from processors import signing
+from processors.base import (
+    CaptureResult,
+    InvalidWebhook,
+    PaymentRef,
+    ProcessorDeclined,
+    ProcessorUnavailable,
+    RefundRequest,
+    RefundResult,
+    VoidResult,
+    WebhookEvent,
+)
+from processors.models import SandboxCharge, SandboxControl, SandboxRefund
+from processors.money import Money
+
+SIGNATURE_HEADER = "Sandbox-Signature"
+
+
+def open_charge(*, amount: Money, captured: bool = True, reference: str | None = None) -> str:
+    """Create a charge on the sandbox's side (demo data and tests); return its reference."""
+    reference = reference or f"sbch_{secrets.token_hex(8)}"
+    SandboxCharge.objects.create(
+        reference=reference, currency=amount.currency, authorized_minor=amount.amount_minor,
+        captured_minor=amount.amount_minor if captured else 0)
+    return reference
+
+
+def set_mode(mode: str, *, settle_delay_seconds: int | None = None) -> SandboxControl:
+    control = SandboxControl.current()
+    control.mode = mode
+    if settle_delay_seconds is not None:
+        control.settle_delay_seconds = settle_delay_seconds
+    control.save()
+    return control
+
+
+class SandboxProcessor:
+    name = "sandbox"
+
+    def __init__(self, *, account: str = "default", config: Mapping[str, Any] | None = None) -> None:
+        self.account = account
+        self.config = config or {}
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _control(self) -> SandboxControl:
+        control = SandboxControl.current()
+        if control.mode == SandboxControl.Mode.DOWN:
+            raise ProcessorUnavailable("sandbox gateway is down", code="gateway_down")
+        return control
+
+    @staticmethod
+    def _result(refund: SandboxRefund) -> RefundResult:
+        status = refund.status
+        if status == "pending" and refund.settles_at <= timezone.now():
+            status = "succeeded"
+        return RefundResult(processor_refund_id=refund.reference, status=status,  # type: ignore[arg-type]
+                            amount=Money(refund.amount_minor, refund.currency))
+
+    # -- the interface ---------------------------------------------------------------------------
+    def refund(self, request: RefundRequest) -> RefundResult:
+        control = self._control()
+        existing = SandboxRefund.objects.filter(idempotency_key=request.idempotency_key).first()
+        if existing is not None:
+            return self._result(existing)
+        if control.mode == SandboxControl.Mode.DECLINE:
+            raise ProcessorDeclined("sandbox declined the refund", code="refund_declined")
+        try:
+            with transaction.atomic():
+                charge = SandboxCharge.objects.select_for_update().get(
+                    reference=request.payment.reference)
+                if charge.currency != request.amount.currency:
+                    raise ProcessorDeclined("currency does not match the charge", code="currency_mismatch")
+                if charge.refunded_minor + request.amount.amount_minor > charge.captured_minor:
+                    raise ProcessorDeclined("refund exceeds the captured amount",
+                                            code="amount_too_large")
+                charge.refunded_minor += request.amount.amount_minor
+                charge.save(update_fields=["refunded_minor"])
+                refund = SandboxRefund.objects.create(
+                    reference=f"sbre_{secrets.token_hex(8)}", charge=charge,
+                    amount_minor=request.amount.amount_minor, currency=request.amount.currency,
+                    idempotency_key=request.idempotency_key,
+                    metadata={"refund_id": request.refund_id, "verdict_id": request.verdict_id,
+                              "reason": request.reason},
+                    settles_at=timezone.now() + timedelta(seconds=control.settle_delay_seconds))
+        except SandboxCharge.DoesNotExist:
+            raise ProcessorDeclined(f"no sandbox charge {request.payment.reference}",
+                                    code="no_such_charge") from None
+        except IntegrityError:
+            # Two calls raced with one idempotency key: the first one's refund is the answer.
+            return self._result(SandboxRefund.objects.get(idempotency_key=request.idempotency_key))
+        return self._result(refund)
+
+    def fetch_refund(self, processor_refund_id: str) -> RefundResult:
+        self._control()
+        try:
+            return self._result(SandboxRefund.objects.get(reference=processor_refund_id))
+        except SandboxRefund.DoesNotExist:
+            raise ProcessorDeclined(f"no sandbox refund {processor_refund_id}",
+                                    code="no_such_refund") from None
+
+    def void(self, payment: PaymentRef, *, idempotency_key: str, verdict_id: str) -> VoidResult:
+        self._control()
+        with transaction.atomic():
+            charge = SandboxCharge.objects.select_for_update().filter(reference=payment.reference).first()
+            if charge is None:
+                raise ProcessorDeclined(f"no sandbox charge {payment.reference}", code="no_such_charge")
+            if charge.captured_minor:
+                raise ProcessorDeclined("a captured charge cannot be voided", code="already_captured")
+            charge.voided = True
+            charge.save(update_fields=["voided"])
+        return VoidResult(reference=payment.reference, status="voided")
+
+    def capture(self, payment: PaymentRef, amount: Money, *, idempotency_key: str,
+                verdict_id: str) -> CaptureResult:
+        self._control()
+        with transaction.atomic():
+            charge = SandboxCharge.objects.select_for_update().filter(reference=payment.reference).first()
+            if charge is None:
+                raise ProcessorDeclined(f"no sandbox charge {payment.reference}", code="no_such_charge")
+            if charge.voided:
+                raise ProcessorDeclined("the authorisation was voided", code="authorization_voided")
+            if charge.captured_minor and charge.captured_minor != amount.amount_minor:
+                raise ProcessorDeclined("already captured", code="already_captured")
+            if amount.amount_minor > charge.authorized_minor:
+                raise ProcessorDeclined("capture exceeds the authorised amount", code="amount_too_large")
+            charge.captured_minor = amount.amount_minor
+            charge.save(update_fields=["captured_minor"])
+        return CaptureResult(reference=payment.reference, amount=amount, status="captured")
+
+    def verify_webhook(self, payload: bytes, headers: Mapping[str, str]) -> WebhookEvent:
+        import json
+
+        secret = self.config.get("webhook_secret") or ""
+        if not secret:
+            raise InvalidWebhook("no sandbox webhook secret is configured", code="not_configured")
+        header = next((v for k, v in headers.items() if k.lower() == SIGNATURE_HEADER.lower()), "")
+        try:
+            signing.verify(payload, header, secret, tolerance=int(self.config.get("tolerance", 300)))
+            body = json.loads(payload)
+            return WebhookEvent(processor=self.name, event_id=str(body["id"]), type=str(body["type"]),
+                                object_id=str(body["data"]["object"]["id"]),
+                                data=body["data"]["object"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidWebhook(str(exc)) from None

@@ -1,0 +1,55 @@
+"""What a caller is told: the contract's JSON bodies, shared by REST and MCP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import date
+from typing import Any
+
+from processors.money import format_minor
+from refundops.errors import ERROR_STATUS
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status < 400
+
+    @property
+    def code(self) -> str:
+        return self.body.get("error", {}).get("code", "")
+
+    def deduplicated(self) -> Answer:
+        if not self.ok:
+            error = {**self.body["error"], "deduplicated": True}
+            return Answer(self.status, {**self.body, "error": error}, self.headers)
+        return Answer(self.status, {**self.body, "deduplicated": True}, self.headers)
+
+
+def error_answer(code: str, message: str, *, verdict_id: str | None, **extra: Any) -> Answer:
+    return Answer(ERROR_STATUS[code], {"error": {"code": code, "message": message,
+                                                 "verdict_id": verdict_id, **extra}})
+
+
+def suggested_message(*, status: str, amount_minor: int, currency: str, method: str,
+                      estimated_arrival: date | None) -> str:
+    money = format_minor(amount_minor, currency)
+    if status == "held":
+        return (f"Your refund request for {money} needs a quick review by our team. We'll let you "
+                f"know as soon as it's approved, usually within one business day.")
+    arrival = f" It should arrive by {estimated_arrival:%B} {estimated_arrival.day}." if estimated_arrival else ""
+    if status in ("approved", "submitted"):
+        return f"I've issued a refund of {money} to your {method}; it is on its way.{arrival}"
+    if status == "settled":
+        return f"Your refund of {money} to your {method} has been processed.{arrival}"
+    if status == "failed":
+        return (f"The refund of {money} to your {method} could not be completed by the payment "
+                f"provider. Our team has been notified and will follow up.")
+    if status in ("rejected", "expired", "denied", "canceled"):
+        return f"We weren't able to issue a refund of {money} on this payment."
+    return f"Your refund of {money} is being processed."

@@ -1,0 +1,49 @@
+"""One idempotency key, one effect. The first answer is stored in the same transaction as the
+effect; a unique constraint on (caller, key) makes racing duplicates wait and then replay it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import IntegrityError, transaction
+
+from refundops.models import IdempotencyRecord
+
+
+def request_hash(operation: str, data: Any) -> str:
+    canonical = json.dumps([operation, data], sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Replay:
+    record: IdempotencyRecord | None  # None: this caller now owns the key
+    reused: bool = False  # the key was first used with another body
+
+
+def find(scope: str, key: str, digest: str) -> Replay | None:
+    record = IdempotencyRecord.objects.filter(scope=scope, key=key).first()
+    if record is None:
+        return None
+    return Replay(record, reused=record.request_hash != digest)
+
+
+def claim(scope: str, key: str, operation: str, digest: str) -> Replay:
+    """Inside the caller's transaction: take the key, or learn who has it. A concurrent first use
+    blocks here on the unique index until it commits, then we replay its answer."""
+    try:
+        with transaction.atomic():
+            IdempotencyRecord.objects.create(scope=scope, key=key, operation=operation,
+                                                      request_hash=digest, response_status=0,
+                                                      response_body={})
+    except IntegrityError:
+        existing = IdempotencyRecord.objects.get(scope=scope, key=key)
+        return Replay(existing, reused=existing.request_hash != digest)
+    return Replay(record=None)
+
+
+def store(scope: str, key: str, status: int, body: dict[str, Any]) -> None:
+    IdempotencyRecord.objects.filter(scope=scope, key=key).update(response_status=status, response_body=body)

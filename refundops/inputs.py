@@ -1,0 +1,123 @@
+"""Validating what callers send, the same for REST and MCP. Strict: a payments API that guesses
+(a string "100", a fraction, an unknown field such as a misspelt ``ammount``) refunds the wrong sum."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from refundops.models import Reason
+
+MAX_AMOUNT_MINOR = 10**15  # far above any real payment; keeps every sum inside a 64-bit integer
+AGENT_FIELDS = ("session_id", "model", "reasoning", "conversation_context")
+TEXT_LIMITS = {"note": 2000, "session_id": 200, "model": 200, "reasoning": 20000,
+               "conversation_context": 50000}
+
+
+class ValidationFailed(Exception):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = f"{field}: {message}"
+
+
+@dataclass(frozen=True)
+class AgentContext:
+    session_id: str = ""
+    model: str = ""
+    reasoning: str = ""
+    conversation_context: str = ""
+
+
+@dataclass(frozen=True)
+class RefundInput:
+    transaction_id: str
+    amount_minor: int | None
+    reason: str
+    note: str
+    destination: str
+    agent: AgentContext
+
+
+def require_object(data: Any) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ValidationFailed("body", "must be a JSON object")
+    return data
+
+
+def reject_unknown(data: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ValidationFailed(unknown[0], f"unknown field; allowed fields are {', '.join(allowed)}")
+
+
+def text(data: Mapping[str, Any], name: str, *, required: bool = False, field: str | None = None,
+         max_length: int | None = None) -> str:
+    field = field or name
+    value = data.get(name)
+    if value is None:
+        if required:
+            raise ValidationFailed(field, "is required")
+        return ""
+    if not isinstance(value, str):
+        raise ValidationFailed(field, "must be a string")
+    value = value.strip() if required else value
+    if required and not value:
+        raise ValidationFailed(field, "must not be empty")
+    limit = max_length or TEXT_LIMITS.get(name, 200)
+    if len(value) > limit:
+        raise ValidationFailed(field, f"must be at most {limit} characters")
+    return value
+
+
+def amount(data: Mapping[str, Any], name: str = "amount", *, required: bool = False) -> int | None:
+    value = data.get(name)
+    if value is None:
+        if required:
+            raise ValidationFailed(name, "is required: an integer number of minor units (1999 for 19.99 USD)")
+        return None
+    # bool is an int subclass in Python; a JSON true is not one cent.
+    if type(value) is not int:
+        raise ValidationFailed(name, "must be a JSON integer number of minor units (1999 for 19.99 USD), "
+                                     "not a string or a fraction")
+    if value <= 0:
+        raise ValidationFailed(name, "must be greater than zero")
+    if value > MAX_AMOUNT_MINOR:
+        raise ValidationFailed(name, f"must be at most {MAX_AMOUNT_MINOR}")
+    return value
+
+
+def agent_context(data: Mapping[str, Any]) -> AgentContext:
+    raw = data.get("agent")
+    if raw is None:
+        return AgentContext()
+    if not isinstance(raw, Mapping):
+        raise ValidationFailed("agent", f"must be an object with {', '.join(AGENT_FIELDS)}")
+    unknown = sorted(set(raw) - set(AGENT_FIELDS))
+    if unknown:
+        raise ValidationFailed(f"agent.{unknown[0]}", f"unknown field; allowed: {', '.join(AGENT_FIELDS)}")
+    return AgentContext(**{f: text(raw, f, field=f"agent.{f}") for f in AGENT_FIELDS})
+
+
+REFUND_FIELDS = ("transaction_id", "amount", "reason", "note", "destination", "agent")
+
+
+def parse_refund(data: Any) -> RefundInput:
+    data = require_object(data)
+    reject_unknown(data, REFUND_FIELDS)
+    transaction_id = text(data, "transaction_id", required=True, max_length=40)
+    amount_minor = amount(data)
+    reason = data.get("reason")
+    if reason is None:
+        raise ValidationFailed("reason", f"is required: one of {', '.join(Reason.values)}")
+    if reason not in Reason.values:
+        raise ValidationFailed("reason", f"must be one of {', '.join(Reason.values)}")
+    note = text(data, "note")
+    destination = data.get("destination")
+    # Any destination but the original method is a payee change: the policy refuses it with
+    # DESTINATION_NOT_ALLOWED (recorded), rather than a validation error.
+    destination_label = "original_method" if destination is None else (
+        destination if isinstance(destination, str) else "other")
+    return RefundInput(transaction_id=transaction_id, amount_minor=amount_minor, reason=reason,
+                       note=note, destination=destination_label, agent=agent_context(data))

@@ -1,0 +1,21 @@
+"""Row locks in one place, always taken in the same order (payment, then platform) so two
+transactions never wait on each other in a circle. Locks live in PostgreSQL, not in memory."""
+
+from __future__ import annotations
+
+from refundops.models import Payment, PlatformState, Refund
+
+
+def lock_payment(payment_id: str) -> Payment | None:
+    return (Payment.objects.select_for_update(of=("self",)).select_related("customer")
+            .filter(pk=payment_id).first())
+
+
+def lock_refund(refund_id: str) -> Refund:
+    return Refund.objects.select_for_update(of=("self",)).select_related("payment").get(pk=refund_id)
+
+
+def lock_platform() -> PlatformState:
+    """Serialises every write that moves a global running total."""
+    PlatformState.objects.get_or_create(pk=1)
+    return PlatformState.objects.select_for_update().get(pk=1)

@@ -1,0 +1,237 @@
+"""The policy: given a locked payment, the request and the running totals, decide.
+
+Pure: it reads nothing from the database and writes nothing. The service gathers the inputs under
+the right locks and records what this returns. Checks run in the contract's order; the first that
+fails answers; every hold rule that fires is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from processors.money import format_minor
+from refundops.models import HoldRules, Payment, RefundLimits
+
+Result = Literal["pass", "fail", "hold"]
+
+
+@dataclass
+class Check:
+    name: str
+    result: Result
+    code: str = ""
+    message: str = ""
+    inputs: dict[str, Any] = field(default_factory=dict)
+    limit: Any = None
+    observed: Any = None
+
+
+@dataclass(frozen=True)
+class RefundAsk:
+    """What is being asked, already validated (see refundops.inputs)."""
+
+    amount_minor: int | None  # None: the whole refundable amount
+    reason: str
+    destination: str
+    agent_id: str | None
+    session_id: str
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Running totals in the payment's currency, counting every refund that is not denied,
+    rejected, expired, canceled or failed, whoever made it (agents, staff, the gateway)."""
+
+    payment_refund_count: int
+    customer_day_count: int
+    customer_day_minor: int
+    customer_30d_count: int
+    customer_30d_minor: int
+    customer_velocity_count: int  # refunds to this customer within the velocity window
+    agent_hour_minor: int
+    agent_day_minor: int
+    session_minor: int
+    global_day_minor: int
+
+
+@dataclass
+class Decision:
+    outcome: Literal["approved", "held", "denied"]
+    amount_minor: int
+    code: str = ""
+    message: str = ""
+    checks: list[Check] = field(default_factory=list)
+    hold_reasons: list[str] = field(default_factory=list)
+
+    def checks_json(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in asdict(c).items() if v not in (None, "", {})} for c in self.checks]
+
+
+class _Refused(Exception):
+    def __init__(self, check: Check) -> None:
+        self.check = check
+
+
+def policy_version(limits: RefundLimits | None, rules: HoldRules | None) -> str:
+    return (f"limits {limits.currency} v{limits.version}" if limits else "no limits") + \
+        (f" / rules v{rules.version}" if rules else " / no rules")
+
+
+def evaluate_refund(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | None,
+                    rules: HoldRules | None, totals: Totals, now: datetime, paused: bool,
+                    breaker_open: bool) -> Decision:
+    checks: list[Check] = []
+    amount = ask.amount_minor if ask.amount_minor is not None else payment.refundable_minor
+    cur = payment.currency
+
+    def money(minor: int) -> str:
+        return format_minor(minor, cur)
+
+    def require(ok: bool, check: Check) -> None:
+        if not ok:
+            check.result = "fail"
+            checks.append(check)
+            raise _Refused(check)
+        checks.append(check)
+
+    try:
+        refundable = payment.refundable_minor
+        not_refundable_why = (
+            "it was voided" if payment.status == Payment.Status.VOIDED else
+            "it was authorised but never captured" if payment.amount_captured_minor == 0 else
+            "it is already fully refunded" if refundable <= 0 else "")
+        require(not not_refundable_why, Check(
+            "payment_refundable", "pass", code="PAYMENT_NOT_REFUNDABLE",
+            message=f"Payment {payment.id} cannot be refunded: {not_refundable_why}.",
+            inputs={"status": payment.status, "captured": payment.amount_captured_minor,
+                    "refunded": payment.amount_refunded_minor, "reserved": payment.amount_reserved_minor},
+            observed=refundable))
+        require(ask.destination == "original_method", Check(
+            "destination", "pass", code="DESTINATION_NOT_ALLOWED",
+            message="Refunds go only to the payment's original method; a refund to another card "
+                    "or account is a payee change and needs finance.",
+            inputs={"destination": ask.destination}, limit="original_method"))
+        allowed = limits.allowed_reasons if limits else []
+        require(limits is None or ask.reason in allowed, Check(
+            "reason", "pass", code="REASON_NOT_ALLOWED",
+            message=f"Reason {ask.reason!r} is not allowed by the current policy; allowed: "
+                    f"{', '.join(allowed) or 'none'}.",
+            inputs={"reason": ask.reason}, limit=allowed))
+        if limits is not None and payment.captured_at is not None:
+            age_days = (now - payment.captured_at) / timedelta(days=1)
+            require(age_days <= limits.refund_window_days, Check(
+                "refund_window", "pass", code="REFUND_WINDOW_EXPIRED",
+                message=f"The payment was captured {int(age_days)} days ago; refunds are allowed "
+                        f"within {limits.refund_window_days} days.",
+                inputs={"captured_at": payment.captured_at.isoformat()},
+                limit=limits.refund_window_days, observed=round(age_days, 2)))
+        require(0 < amount <= refundable, Check(
+            "amount_within_refundable", "pass", code="AMOUNT_EXCEEDS_REFUNDABLE",
+            message=f"{money(amount)} is more than the {money(refundable)} still refundable on "
+                    f"{payment.id} (captured {money(payment.amount_captured_minor)}).",
+            inputs={"amount": amount}, limit=refundable, observed=amount))
+        if limits is not None:
+            require(totals.payment_refund_count < limits.max_refunds_per_payment, Check(
+                "refunds_per_payment", "pass", code="MAX_REFUNDS_REACHED",
+                message=f"Payment {payment.id} already has {totals.payment_refund_count} refunds; "
+                        f"the limit is {limits.max_refunds_per_payment}.",
+                limit=limits.max_refunds_per_payment, observed=totals.payment_refund_count))
+        if ask.agent_id is not None:
+            require(not paused, Check(
+                "kill_switch", "pass", code="CIRCUIT_OPEN",
+                message="Agent refunds are paused by an operator (kill switch). Tell the customer "
+                        "the request is noted and a person will follow up.", observed=paused))
+            require(not breaker_open, Check(
+                "circuit_breaker", "pass", code="CIRCUIT_OPEN",
+                message="Agent refunds are paused: refund volume is far above normal and the "
+                        "breaker opened. Operators have been alerted.", observed=breaker_open))
+        if limits is not None:
+            _check_running_totals(require, limits, totals, amount, ask, money)
+    except _Refused as refused:
+        c = refused.check
+        return Decision("denied", amount, code=c.code, message=c.message, checks=checks)
+
+    hold_reasons = _hold_rules(checks, payment=payment, limits=limits, rules=rules, totals=totals,
+                               amount=amount, reason=ask.reason, now=now, money=money)
+    if hold_reasons:
+        return Decision("held", amount, checks=checks, hold_reasons=hold_reasons,
+                        message="Held for a person: " + ", ".join(hold_reasons) + ".")
+    return Decision("approved", amount, checks=checks)
+
+
+def _check_running_totals(require, limits: RefundLimits, totals: Totals, amount: int,
+                          ask: RefundAsk, money) -> None:
+    scopes: list[tuple[str, int, int, str]] = [
+        ("customer_daily_amount", totals.customer_day_minor + amount, limits.customer_daily_amount_minor,
+         "this customer's refunds today"),
+        ("customer_30d_amount", totals.customer_30d_minor + amount, limits.customer_30d_amount_minor,
+         "this customer's refunds in the last 30 days"),
+        ("global_daily_amount", totals.global_day_minor + amount, limits.global_daily_amount_minor,
+         "all refunds today"),
+    ]
+    if ask.agent_id is not None:
+        scopes += [
+            ("agent_hourly_amount", totals.agent_hour_minor + amount, limits.agent_hourly_amount_minor,
+             "this agent's refunds in the last hour"),
+            ("agent_daily_amount", totals.agent_day_minor + amount, limits.agent_daily_amount_minor,
+             "this agent's refunds today"),
+        ]
+        if ask.session_id:
+            scopes.append(("session_amount", totals.session_minor + amount, limits.session_amount_minor,
+                           "this agent session's refunds"))
+    counts = [
+        ("customer_daily_count", totals.customer_day_count + 1, limits.customer_daily_count,
+         "this customer's number of refunds today"),
+        ("customer_30d_count", totals.customer_30d_count + 1, limits.customer_30d_count,
+         "this customer's number of refunds in the last 30 days"),
+    ]
+    for name, would_be, limit, what in counts:
+        require(would_be <= limit, Check(
+            name, "pass", code="DAILY_LIMIT_REACHED",
+            message=f"Refused: {what} would be {would_be}, over the limit of {limit}.",
+            limit=limit, observed=would_be - 1, inputs={"would_be": would_be}))
+    for name, would_be, limit, what in scopes:
+        require(would_be <= limit, Check(
+            name, "pass", code="DAILY_LIMIT_REACHED",
+            message=f"Refused: {what} would reach {money(would_be)}, over the limit of {money(limit)}.",
+            limit=limit, observed=would_be - amount, inputs={"amount": amount, "would_be": would_be}))
+
+
+def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits | None,
+                rules: HoldRules | None, totals: Totals, amount: int, reason: str, now: datetime,
+                money) -> list[str]:
+    fired: list[str] = []
+
+    def rule(name: str, code: str, fires: bool, **detail: Any) -> None:
+        checks.append(Check(name, "hold" if fires else "pass", code=code if fires else "", **detail))
+        if fires:
+            fired.append(code)
+
+    if limits is None:
+        rule("approval_threshold", "APPROVAL_REQUIRED", True,
+             message=f"No refund limits are set for {payment.currency}: a person decides.")
+    else:
+        threshold = int(limits.reason_thresholds.get(reason, limits.approval_threshold_minor))
+        rule("approval_threshold", "APPROVAL_REQUIRED", amount > threshold, limit=threshold, observed=amount,
+             message=f"{money(amount)} is above the {money(threshold)} an agent may refund alone.")
+    if rules is not None:
+        if rules.hold_disputed:
+            rule("payment_disputed", "PAYMENT_DISPUTED", payment.is_disputed,
+                 observed=payment.dispute_status)
+        if rules.hold_flagged:
+            rule("payment_flagged", "PAYMENT_FLAGGED", bool(payment.fraud_flags), observed=payment.fraud_flags)
+        if rules.hold_recent_contact_change:
+            since = now - timedelta(days=rules.contact_change_days)
+            customer = payment.customer
+            changed = [name for name, at in (("email", customer.email_changed_at),
+                                             ("address", customer.address_changed_at)) if at and at >= since]
+            rule("recent_contact_change", "RECENT_CONTACT_CHANGE", bool(changed),
+                 limit=rules.contact_change_days, observed=changed)
+        if rules.hold_customer_velocity:
+            would_be = totals.customer_velocity_count + 1
+            rule("customer_velocity", "CUSTOMER_VELOCITY", would_be > rules.velocity_max_refunds,
+                 limit=rules.velocity_max_refunds, observed=totals.customer_velocity_count,
+                 inputs={"window_hours": rules.velocity_window_hours, "would_be": would_be})
+    return fired

@@ -1,0 +1,248 @@
+"""Requesting a refund: validate, decide under lock, record the verdict and the refund, answer."""
+
+from __future__ import annotations
+
+import logging
+from datetime import date, datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q, Sum
+from django.utils import timezone
+
+from audit.models import Verdict
+from audit.services import record_audit
+from refundops import breaker, idempotency
+from refundops.answers import Answer, error_answer, suggested_message
+from refundops.callers import Caller
+from refundops.inputs import RefundInput, ValidationFailed, parse_refund
+from refundops.locks import lock_payment, lock_platform
+from refundops.models import RESERVING_STATES, Payment, PlatformState, Refund, RefundState
+from refundops.policy import Decision, RefundAsk, evaluate_refund, policy_version
+from refundops.selectors import active_limits, active_rules, running_totals
+
+log = logging.getLogger(__name__)
+
+CREATE = "refund.create"
+CHECK = "refund.check"
+
+
+def request_refund(*, caller: Caller, data: Any, idempotency_key: str) -> Answer:
+    """``POST refunds``: the one way an agent (or a person, through the admin) asks for money back."""
+    return _decide(caller=caller, data=data, idempotency_key=idempotency_key, dry_run=False)
+
+
+def check_refund(*, caller: Caller, data: Any, idempotency_key: str) -> Answer:
+    """``POST refunds/check``: the verdict ``request_refund`` would give now; writes only that verdict."""
+    return _decide(caller=caller, data=data, idempotency_key=idempotency_key, dry_run=True)
+
+
+def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -> Answer:
+    operation = CHECK if dry_run else CREATE
+    base = {"operation": operation, "dry_run": dry_run, "idempotency_key": idempotency_key,
+            "request": data if isinstance(data, dict) else {"body": data}, **caller.verdict_fields()}
+    try:
+        ask = parse_refund(data)
+    except ValidationFailed as failed:
+        verdict = Verdict.objects.create(**base, outcome=Verdict.Outcome.DENIED, code="VALIDATION_ERROR",
+                                         message=failed.message)
+        return error_answer("VALIDATION_ERROR", failed.message, verdict_id=verdict.id, field=failed.field)
+
+    if not idempotency_key or len(idempotency_key) > 255:
+        message = ("Send an 'Idempotency-Key' header (at most 255 characters, e.g. a UUID) with every "
+                   "POST, and reuse it when you retry the same request.")
+        verdict = Verdict.objects.create(**base, outcome=Verdict.Outcome.DENIED, code="IDEMPOTENCY_KEY_REQUIRED",
+                                         message=message)
+        return error_answer("IDEMPOTENCY_KEY_REQUIRED", message, verdict_id=verdict.id)
+    scope, digest = caller.idempotency_scope, idempotency.request_hash(operation, data)
+    if not dry_run:
+        replay = idempotency.find(scope, idempotency_key, digest)
+        if replay is not None:
+            return _replay(base, replay)
+    now = timezone.now()
+    with transaction.atomic():
+        if not dry_run:
+            replay = idempotency.claim(scope, idempotency_key, operation, digest)
+            if replay.record is not None:
+                return _replay(base, replay)
+        payment = lock_payment(ask.transaction_id) if not dry_run else (
+            Payment.objects.select_related("customer").filter(pk=ask.transaction_id).first())
+        if payment is None:
+            message = (f"No payment {ask.transaction_id!r}. Check the transaction id (it starts with "
+                       f"'txn_') with the customer's order.")
+            verdict = Verdict.objects.create(**base, outcome=Verdict.Outcome.DENIED, code="PAYMENT_NOT_FOUND",
+                                             message=message, payment_id=ask.transaction_id)
+            answer = error_answer("PAYMENT_NOT_FOUND", message, verdict_id=verdict.id)
+        else:
+            platform = lock_platform() if not dry_run else PlatformState.current()
+            answer = _decide_for_payment(caller=caller, payment=payment, ask=ask, base=base, now=now,
+                                         platform=platform, dry_run=dry_run, idempotency_key=idempotency_key)
+        if not dry_run:
+            idempotency.store(scope, idempotency_key, answer.status, answer.body)
+    return answer
+
+
+def _replay(base: dict[str, Any], replay: idempotency.Replay) -> Answer:
+    record = replay.record
+    if replay.reused:
+        message = ("This Idempotency-Key was already used with a different request body. Use a new "
+                   "key for a new request, or resend the original body to get its answer.")
+        verdict = Verdict.objects.create(**base, outcome=Verdict.Outcome.DENIED, code="IDEMPOTENCY_KEY_REUSED",
+                                         message=message)
+        return error_answer("IDEMPOTENCY_KEY_REUSED", message, verdict_id=verdict.id)
+    first = Answer(record.response_status, record.response_body)
+    Verdict.objects.create(**base, deduplicated=True, code=first.code,
+                           outcome=_outcome_of(first), message="Replay of the first answer to this key")
+    return first.deduplicated()
+
+
+def _outcome_of(answer: Answer) -> str:
+    if not answer.ok:
+        return Verdict.Outcome.DENIED
+    return Verdict.Outcome.HELD if answer.status == 202 else Verdict.Outcome.APPROVED
+
+
+def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, base: dict[str, Any],
+                        now: datetime, platform: PlatformState, dry_run: bool,
+                        idempotency_key: str) -> Answer:
+    limits, rules = active_limits(payment.currency), active_rules()
+    agent_id = caller.agent.id if caller.agent else None
+    totals = running_totals(payment=payment, agent_id=agent_id, session_id=ask.agent.session_id, now=now,
+                            velocity_hours=rules.velocity_window_hours if rules else 24)
+    decision = evaluate_refund(
+        payment=payment, limits=limits, rules=rules, totals=totals, now=now,
+        ask=RefundAsk(amount_minor=ask.amount_minor, reason=ask.reason, destination=ask.destination,
+                      agent_id=agent_id, session_id=ask.agent.session_id),
+        paused=platform.refunds_paused, breaker_open=bool(agent_id) and breaker.is_open(now=now))
+    verdict = Verdict.objects.create(
+        **base, outcome=decision.outcome, code=decision.code, message=decision.message,
+        payment_id=payment.pk, amount_minor=decision.amount_minor, currency=payment.currency,
+        checks=decision.checks_json(), totals=vars(totals), hold_reasons=decision.hold_reasons,
+        policy_version=policy_version(limits, rules))
+    if dry_run:
+        return _check_answer(payment, decision, verdict, totals, limits)
+
+    refund = None
+    if decision.amount_minor > 0:  # a refund row needs an amount; "nothing refundable" has none
+        refund = Refund.objects.create(
+            payment=payment, amount_minor=decision.amount_minor, currency=payment.currency,
+            reason=ask.reason, note=ask.note,
+            origin=Refund.Origin.AGENT if caller.is_agent else Refund.Origin.STAFF,
+            agent=caller.agent, agent_key=caller.key, requested_by=caller.user,
+            agent_session_id=ask.agent.session_id, agent_model=ask.agent.model,
+            agent_reasoning=ask.agent.reasoning, conversation_context=ask.agent.conversation_context,
+            idempotency_key=idempotency_key, verdict=verdict,
+            estimated_arrival=estimate_arrival(payment, now.date()))
+        if decision.outcome == "approved":
+            refund.approve_automatically()
+        elif decision.outcome == "held":
+            refund.hold(reasons=decision.hold_reasons)
+        else:
+            refund.deny(code=decision.code, message=decision.message)
+        refund._change_reason = f"verdict {verdict.id}: {decision.outcome}"
+        refund.save()
+        sync_payment_amounts(payment)
+        Verdict.objects.filter(pk=verdict.pk).update(refund_id=refund.pk)
+        record_audit(actor=caller.label, action=f"refund.{refund.status}", subject_type="refund",
+                     subject_id=refund.pk, data={"verdict_id": verdict.id, "payment_id": payment.pk,
+                                                 "amount_minor": refund.amount_minor,
+                                                 "currency": refund.currency, "code": decision.code})
+        if refund.status == RefundState.APPROVED:
+            from refundops.tasks import enqueue_submission
+            enqueue_submission(refund.pk)
+    if decision.outcome == "denied":
+        extra = {"refund_id": refund.pk} if refund else {}
+        return error_answer(decision.code, decision.message, verdict_id=verdict.id, **extra)
+    return _created_answer(refund, decision, verdict, payment, totals, limits)
+
+
+def sync_payment_amounts(payment: Payment) -> None:
+    """Recompute what is refunded and reserved from the refunds themselves (under the row lock)."""
+    sums = Refund.objects.filter(payment_id=payment.pk).aggregate(
+        settled=Sum("amount_minor", filter=Q(status=RefundState.SETTLED), default=0),
+        reserved=Sum("amount_minor", filter=Q(status__in=RESERVING_STATES), default=0))
+    payment.amount_refunded_minor, payment.amount_reserved_minor = sums["settled"], sums["reserved"]
+    Payment.objects.filter(pk=payment.pk).update(amount_refunded_minor=sums["settled"],
+                                                 amount_reserved_minor=sums["reserved"])
+
+
+def estimate_arrival(payment: Payment, today: date) -> date:
+    """Business days by method type (settings.REFUND_ARRIVAL_DAYS), skipping weekends."""
+    days = settings.REFUND_ARRIVAL_DAYS.get(payment.method_type, 7)
+    day = today
+    while days:
+        day += timedelta(days=1)
+        if day.weekday() < 5:
+            days -= 1
+    return day
+
+
+def refund_context(payment: Payment, totals, limits, *, amount_minor: int, status: str,
+                   arrival: date | None) -> dict[str, Any]:
+    return {
+        "transaction_remaining_amount": payment.refundable_minor,
+        "currency": payment.currency,
+        "customer_refunds_today": totals.customer_day_count + (1 if status in ("approved", "held") else 0),
+        "customer_refund_limit_today": limits.customer_daily_count if limits else 0,
+        "suggested_message": suggested_message(status=status, amount_minor=amount_minor,
+                                               currency=payment.currency, method=payment.method_display,
+                                               estimated_arrival=arrival),
+    }
+
+
+def verdict_json(verdict: Verdict) -> dict[str, Any]:
+    return {"id": verdict.id, "outcome": verdict.outcome, "code": verdict.code or None,
+            "policy_version": verdict.policy_version, "checks": verdict.checks,
+            "hold_reasons": verdict.hold_reasons}
+
+
+def refund_json(refund: Refund) -> dict[str, Any]:
+    return {"id": refund.pk, "status": refund.status, "amount": refund.amount_minor,
+            "currency": refund.currency, "transaction_id": refund.payment_id, "reason": refund.reason,
+            "estimated_arrival": refund.estimated_arrival.isoformat() if refund.estimated_arrival else None,
+            "hold_reasons": refund.hold_reasons, "created_at": refund.created_at.isoformat()}
+
+
+def _created_answer(refund: Refund, decision: Decision, verdict: Verdict, payment: Payment, totals,
+                    limits) -> Answer:
+    body = {"refund": refund_json(refund), "verdict": verdict_json(verdict),
+            "context": refund_context(payment, totals, limits, amount_minor=refund.amount_minor,
+                                      status=refund.status, arrival=refund.estimated_arrival),
+            "deduplicated": False}
+    if refund.status == RefundState.HELD:
+        body["status"] = "held"
+        body["hold_reasons"] = refund.hold_reasons
+        return Answer(202, body)
+    return Answer(201, body)
+
+
+def _check_answer(payment: Payment, decision: Decision, verdict: Verdict, totals, limits) -> Answer:
+    status = {"approved": "approved", "held": "held", "denied": "denied"}[decision.outcome]
+    context = refund_context(payment, totals, limits, amount_minor=decision.amount_minor, status=status,
+                             arrival=estimate_arrival(payment, timezone.localdate()))
+    context["customer_refunds_today"] = totals.customer_day_count
+    return Answer(200, {"verdict": verdict_json(verdict), "would_be": status, "amount": decision.amount_minor,
+                        "currency": payment.currency, "message": decision.message or None,
+                        "context": context})
+
+
+def refund_detail(*, refund_id: str) -> dict[str, Any]:
+    """``GET refunds/{id}``: state, amounts, verdict, estimated arrival, a message the agent can say."""
+    refund = Refund.objects.select_related("payment", "verdict").filter(pk=refund_id).first()
+    if refund is None:
+        from refundops.errors import ApiError
+        raise ApiError("REFUND_NOT_FOUND", f"No refund {refund_id!r}; refund ids start with 'rf_'.")
+    body = refund_json(refund)
+    body.update({
+        "processor_refund_id": refund.processor_refund_id or None,
+        "failure_code": refund.failure_code or None, "failure_message": refund.failure_message or None,
+        "submitted_at": refund.submitted_at.isoformat() if refund.submitted_at else None,
+        "settled_at": refund.settled_at.isoformat() if refund.settled_at else None,
+        "pending_at_gateway": refund.status == RefundState.APPROVED,
+        "suggested_message": suggested_message(
+            status=refund.status, amount_minor=refund.amount_minor, currency=refund.currency,
+            method=refund.payment.method_display, estimated_arrival=refund.estimated_arrival),
+        "transaction_remaining_amount": max(refund.payment.refundable_minor, 0),
+    })
+    return {"refund": body, "verdict": verdict_json(refund.verdict) if refund.verdict else None}

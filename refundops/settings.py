@@ -1,0 +1,174 @@
+"""Settings from the environment (django-environ). Every secret and address is an env variable.
+
+With no DATABASE_URL the platform runs on SQLite in ./var; with no REDIS_URL the Celery broker is
+kombu's filesystem transport in ./var and rate-limit and breaker state lives in an in-process
+fakeredis. That embedded mode is for trying the product on one machine; production and the test
+suite set both URLs (PostgreSQL and Redis).
+"""
+
+from datetime import timedelta
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = BASE_DIR / "var"
+
+env = environ.Env()
+environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
+
+DEBUG = env.bool("DJANGO_DEBUG", default=False)
+SECRET_KEY = env("DJANGO_SECRET_KEY", default="dev-only-insecure-secret-key-change-me")
+ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "simple_history",
+    "processors",
+    "audit",
+    "refundops.apps.RefundOpsConfig",
+    "approvals",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "simple_history.middleware.HistoryRequestMiddleware",
+]
+
+ROOT_URLCONF = "refundops.urls"
+WSGI_APPLICATION = "refundops.wsgi.application"
+ASGI_APPLICATION = "refundops.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'refundops.sqlite3'}")}
+DATABASES["default"]["ATOMIC_REQUESTS"] = False
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20, "transaction_mode": "IMMEDIATE"})
+else:
+    DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=60)
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Redis holds only what may be rebuilt: rate-limit windows, breaker state, the broker's queue.
+REDIS_URL = env("REDIS_URL", default="")
+if REDIS_URL:
+    CELERY_BROKER_URL = REDIS_URL
+else:
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(VAR_DIR / "broker"),
+        "data_folder_out": str(VAR_DIR / "broker"),
+        "processed_folder": str(VAR_DIR / "broker-processed"),
+        "store_processed": False,
+    }
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True  # a worker that dies mid-task leaves the task to be run again
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+CELERY_TASK_ROUTES = {"refundops.tasks.submit_refund": {"queue": "payments"}}
+CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_BEAT_SCHEDULE = {
+    "sync-submitted-refunds": {"task": "refundops.tasks.sync_submitted_refunds",
+                               "schedule": timedelta(seconds=env.int("SYNC_INTERVAL_SECONDS", default=30))},
+    "resubmit-stalled-approved-refunds": {"task": "refundops.tasks.resubmit_stalled_refunds",
+                                          "schedule": timedelta(minutes=5)},
+    "expire-held-refunds": {"task": "approvals.tasks.expire_held_refunds",
+                            "schedule": timedelta(minutes=15)},
+}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = env("TIME_ZONE", default="UTC")  # the day that daily limits count in
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = env("STATIC_ROOT", default=str(VAR_DIR / "static"))
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"refundops": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")}},
+}
+
+EMAIL_BACKEND = env("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend")
+OPERATOR_EMAILS = env.list("OPERATOR_EMAILS", default=[])
+DEFAULT_FROM_EMAIL = env("DEFAULT_FROM_EMAIL", default="refundops@localhost")
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["refundops.api.auth.AgentKeyAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["refundops.api.auth.HasCapability"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "refundops.api.errors.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "RefundOps agent API",
+    "DESCRIPTION": "Refunds, lookups, voids, captures, payment links and dispute drafts for AI agents, "
+                   "each decided against finance's limits and fraud's hold rules. Amounts are integer "
+                   "minor units with an ISO 4217 currency.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SCHEMA_PATH_PREFIX": "/api/v1",
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# Gateways: a refund always goes to the gateway and account that took the payment.
+PROCESSORS = {
+    "sandbox": {"default": {"webhook_secret": env("SANDBOX_WEBHOOK_SECRET", default="whsec_sandbox_dev")}},
+    "stripe": {"default": {
+        "api_key": env("STRIPE_API_KEY", default=""),
+        "api_base": env("STRIPE_API_BASE", default=""),
+        "webhook_secret": env("STRIPE_WEBHOOK_SECRET", default=""),
+    }},
+    "paypal": {"default": {
+        "client_id": env("PAYPAL_CLIENT_ID", default=""),
+        "client_secret": env("PAYPAL_CLIENT_SECRET", default=""),
+        "environment": env("PAYPAL_ENVIRONMENT", default="sandbox"),
+        "base_url": env("PAYPAL_BASE_URL", default=""),
+        "webhook_id": env("PAYPAL_WEBHOOK_ID", default=""),
+    }},
+}
+
+# Payment worker retries when a gateway is down: exponential backoff with jitter, capped.
+REFUND_SUBMIT_MAX_RETRIES = env.int("REFUND_SUBMIT_MAX_RETRIES", default=12)
+REFUND_SUBMIT_BACKOFF_BASE_SECONDS = env.int("REFUND_SUBMIT_BACKOFF_BASE_SECONDS", default=5)
+REFUND_SUBMIT_BACKOFF_MAX_SECONDS = env.int("REFUND_SUBMIT_BACKOFF_MAX_SECONDS", default=1800)
+REFUND_FIRST_SYNC_SECONDS = env.int("REFUND_FIRST_SYNC_SECONDS", default=6)
+# Business days a refund takes to reach the customer, by payment method.
+REFUND_ARRIVAL_DAYS = {"card": 7, "paypal": 3, "bank_transfer": 5, "wallet": 3}
+HELD_REFUND_EXPIRY_HOURS = env.int("HELD_REFUND_EXPIRY_HOURS", default=72)

@@ -1,0 +1,78 @@
+"""Thin Celery tasks: load by id, call a service. The worker pays; it never decides."""
+
+from __future__ import annotations
+
+import logging
+import random
+from datetime import timedelta
+
+from celery import shared_task
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from processors.base import ProcessorUnavailable
+from refundops.models import Refund, RefundState
+from refundops.services import payouts
+
+log = logging.getLogger(__name__)
+
+
+def enqueue_submission(refund_id: str) -> None:
+    """Hand an approved refund to the worker once the approving transaction commits."""
+    transaction.on_commit(lambda: submit_refund.delay(refund_id=refund_id))
+
+
+def backoff_seconds(attempt: int, *, retry_after: float | None = None) -> float:
+    """Exponential backoff with full jitter, never sooner than the gateway's Retry-After."""
+    ceiling = min(settings.REFUND_SUBMIT_BACKOFF_MAX_SECONDS,
+                  settings.REFUND_SUBMIT_BACKOFF_BASE_SECONDS * 2 ** attempt)
+    return max(retry_after or 0.0, random.uniform(ceiling / 2, ceiling))
+
+
+@shared_task(bind=True, max_retries=None, acks_late=True)
+def submit_refund(self, *, refund_id: str) -> str:
+    try:
+        status = payouts.submit_refund(refund_id=refund_id).status
+    except ProcessorUnavailable as down:
+        if self.request.retries >= settings.REFUND_SUBMIT_MAX_RETRIES:
+            # Still approved: the periodic resubmission picks it up when the gateway is back.
+            log.error("refund %s: gateway still unavailable after %s tries", refund_id, self.request.retries)
+            return RefundState.APPROVED
+        countdown = backoff_seconds(self.request.retries, retry_after=down.retry_after)
+        log.warning("refund %s: gateway unavailable (%s); retry in %.0fs", refund_id, down.message, countdown)
+        raise self.retry(countdown=countdown, exc=down) from None
+    if status == RefundState.SUBMITTED:  # look again soon; the periodic sync is the safety net
+        sync_refund.apply_async(kwargs={"refund_id": refund_id}, countdown=settings.REFUND_FIRST_SYNC_SECONDS)
+    return status
+
+
+@shared_task
+def sync_refund(*, refund_id: str) -> str:
+    try:
+        return payouts.sync_refund(refund_id=refund_id).status
+    except ProcessorUnavailable:
+        return "unavailable"
+
+
+@shared_task
+def sync_submitted_refunds(*, older_than_seconds: int = 0, limit: int = 500) -> int:
+    """Poll the gateway for refunds that have been submitted for a while (webhooks can be lost)."""
+    cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
+    ids = list(Refund.objects.filter(status=RefundState.SUBMITTED, submitted_at__lte=cutoff)
+               .order_by("submitted_at").values_list("pk", flat=True)[:limit])
+    for refund_id in ids:
+        sync_refund.delay(refund_id=refund_id)
+    return len(ids)
+
+
+@shared_task
+def resubmit_stalled_refunds(*, older_than_seconds: int = 300, limit: int = 500) -> int:
+    """Approved refunds whose task was lost (broker restart, retries exhausted): submit again.
+    Safe: the gateway idempotency key makes a second submission the same request."""
+    cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
+    ids = list(Refund.objects.filter(status=RefundState.APPROVED, updated_at__lte=cutoff)
+               .values_list("pk", flat=True)[:limit])
+    for refund_id in ids:
+        submit_refund.delay(refund_id=refund_id)
+    return len(ids)
