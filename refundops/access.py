@@ -1,0 +1,56 @@
+"""Agent keys and capabilities, the same for REST and MCP. Keys are stored as SHA-256 and compared
+in constant time; the raw key is shown once."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from datetime import timedelta
+
+from django.utils import timezone
+
+from refundops.errors import ApiError
+from refundops.models import AgentKey, PlatformState
+
+KEY_PREFIX_LENGTH = 11  # "rk_" + 8 characters: enough to name a key, useless to use it
+LAST_USED_RESOLUTION = timedelta(seconds=60)
+
+
+def hash_key(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def generate_key() -> tuple[str, str, str]:
+    """(raw key shown once, its prefix, its hash)."""
+    raw = "rk_" + secrets.token_urlsafe(32)
+    return raw, raw[:KEY_PREFIX_LENGTH], hash_key(raw)
+
+
+def authenticate_key(raw: str | None) -> AgentKey:
+    """The live key for ``raw``, or ApiError UNAUTHENTICATED saying why. Used by REST and MCP."""
+    if not raw:
+        raise ApiError("UNAUTHENTICATED", "Send your agent key as 'Authorization: Bearer rk_…'.")
+    key = (AgentKey.objects.select_related("agent").filter(prefix=raw[:KEY_PREFIX_LENGTH]).first()
+           if raw.startswith("rk_") else None)
+    if key is None or not hmac.compare_digest(key.key_hash, hash_key(raw)):
+        raise ApiError("UNAUTHENTICATED", "This agent key is not recognised.")
+    now = timezone.now()
+    if key.revoked_at is not None:
+        raise ApiError("UNAUTHENTICATED", f"Key {key.prefix}… was revoked; ask an operator for a new one.")
+    if key.expires_at is not None and key.expires_at <= now:
+        raise ApiError("UNAUTHENTICATED", f"Key {key.prefix}… expired; ask an operator for a new one.")
+    if not key.agent.is_active:
+        raise ApiError("UNAUTHENTICATED", f"Agent {key.agent.name} is disabled.")
+    if PlatformState.objects.filter(pk=1, agents_disabled=True).exists():
+        raise ApiError("UNAUTHENTICATED", "All agent access is switched off by an operator.")
+    if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
+        AgentKey.objects.filter(pk=key.pk).update(last_used_at=now)
+    return key
+
+
+def require_capability(key: AgentKey, capability: str) -> None:
+    if not key.agent.has_capability(capability):
+        raise ApiError("CAPABILITY_NOT_GRANTED",
+                       f"Agent {key.agent.name} does not have the '{capability}' capability.",
+                       capability=capability)

@@ -1,0 +1,1 @@
+"""Admin for finance's refund limits and fraud's hold rules."""

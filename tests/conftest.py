@@ -1,0 +1,118 @@
+"""Shared fixtures. Tests run on the real PostgreSQL and Redis (scripts/test sets the URLs)."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from processors import sandbox
+from processors.money import Money
+from refundops.access import generate_key
+from refundops.models import Agent, AgentKey, Capability, Customer, HoldRules, Payment, RefundLimits
+
+_seq = itertools.count(1)
+
+
+def pytest_configure(config):
+    settings.CELERY_TASK_ALWAYS_EAGER = True
+
+
+@pytest.fixture(autouse=True)
+def _real_services(request):
+    """Refuse to pass on SQLite: row locks and constraints are what the tests prove."""
+    if "django_db_setup" in request.fixturenames or request.node.get_closest_marker("django_db"):
+        assert connection.vendor == "postgresql", "set DATABASE_URL to PostgreSQL (scripts/test does)"
+
+
+@pytest.fixture(autouse=True)
+def _clean_redis():
+    import redis
+
+    if settings.REDIS_URL:
+        redis.Redis.from_url(settings.REDIS_URL).flushdb()
+    yield
+
+
+def make_customer(**fields) -> Customer:
+    n = next(_seq)
+    return Customer.objects.create(**{"name": f"Customer {n}", "email": f"c{n}@example.com", **fields})
+
+
+def make_payment(*, amount: int = 10_000, currency: str = "USD", captured: bool = True, customer=None,
+                 captured_days_ago: float = 1, **fields) -> Payment:
+    reference = sandbox.open_charge(amount=Money(amount, currency), captured=captured)
+    return Payment.objects.create(**{
+        "customer": customer or make_customer(), "processor": "sandbox", "processor_reference": reference,
+        "currency": currency, "amount_authorized_minor": amount,
+        "amount_captured_minor": amount if captured else 0,
+        "status": Payment.Status.CAPTURED if captured else Payment.Status.AUTHORIZED,
+        "method_type": "card", "method_brand": "visa", "method_last4": "4242",
+        "captured_at": timezone.now() - timedelta(days=captured_days_ago) if captured else None,
+        **fields})
+
+
+def make_limits(currency: str = "USD", **fields) -> RefundLimits:
+    version = (RefundLimits.objects.filter(currency=currency).order_by("-version")
+               .values_list("version", flat=True).first() or 0) + 1
+    defaults = dict(approval_threshold_minor=50_000, allowed_reasons=["customer_request", "duplicate",
+                                                                       "fraudulent", "product_issue"],
+                    refund_window_days=90, max_refunds_per_payment=100, customer_daily_count=1_000,
+                    customer_daily_amount_minor=10**12, customer_30d_count=10_000,
+                    customer_30d_amount_minor=10**12, agent_hourly_amount_minor=10**12,
+                    agent_daily_amount_minor=10**12, session_amount_minor=10**12,
+                    global_daily_amount_minor=10**12)
+    return RefundLimits.objects.create(currency=currency, version=version, **{**defaults, **fields})
+
+
+def make_rules(**fields) -> HoldRules:
+    version = (HoldRules.objects.order_by("-version").values_list("version", flat=True).first() or 0) + 1
+    return HoldRules.objects.create(version=version, **{"velocity_max_refunds": 1_000, **fields})
+
+
+def make_agent_key(*capabilities: str, name: str | None = None) -> tuple[AgentKey, str]:
+    agent = Agent.objects.create(name=name or f"agent-{uuid.uuid4().hex[:8]}",
+                                 capabilities=list(capabilities or Capability.values))
+    raw, prefix, digest = generate_key()
+    return AgentKey.objects.create(agent=agent, prefix=prefix, key_hash=digest), raw
+
+
+@pytest.fixture
+def limits(db):
+    return make_limits()
+
+
+@pytest.fixture
+def rules(db):
+    return make_rules()
+
+
+@pytest.fixture
+def policy(limits, rules):
+    """Generous USD limits and every hold rule on, so a test tightens only what it proves."""
+    return limits, rules
+
+
+@pytest.fixture
+def agent_key(db):
+    return make_agent_key()
+
+
+@pytest.fixture
+def api(agent_key):
+    """An API client that speaks as an agent holding every capability."""
+    key, raw = agent_key
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    client.key = key
+    return client
+
+
+def post(client: APIClient, path: str, body, *, key: str | None = None):
+    return client.post(path, body, format="json", HTTP_IDEMPOTENCY_KEY=key or uuid.uuid4().hex)
