@@ -1,0 +1,143 @@
+"""Local stand-ins for payment gateways, spoken to over a real socket by the gateways' own SDKs.
+
+:class:`FakeGateway` owns the plumbing: a ``ThreadingHTTPServer`` on 127.0.0.1 at a free port in a
+background thread, and the failure modes every gateway has (down, unreachable, rate limited,
+slow). A subclass answers one request at a time in :meth:`FakeGateway.handle`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar, Literal
+from urllib.parse import urlsplit
+
+Mode = Literal["up", "down", "unreachable", "rate_limited", "slow"]
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]  # names lower-cased
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class FakeGateway:
+    """Start with :meth:`start`, stop with :meth:`stop`; switch failure modes with :meth:`set_mode`."""
+
+    name: ClassVar[str] = "fake"
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.mode: Mode = "up"
+        self.retry_after = 1
+        self.slow_seconds = 2.0
+        self.received: list[Request] = []  # every request, for assertions on the wire format
+        self._stopping = threading.Event()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> FakeGateway:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                fake._serve(self)
+
+            do_POST = do_DELETE = do_GET
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass  # keep test output clean
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        # A short poll interval keeps stop() (and so each test's teardown) quick.
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        name=f"{self.name}-fake", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()  # wakes any handler sleeping in "slow" mode
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None, "start() the fake first"
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    # -- control ---------------------------------------------------------------------------------
+    def set_mode(self, mode: Mode, *, retry_after: int | None = None,
+                 slow_seconds: float | None = None) -> None:
+        """``down``: 503; ``unreachable``: the connection closes unanswered; ``rate_limited``: 429
+        with ``Retry-After``; ``slow``: answers only after ``slow_seconds``."""
+        with self.lock:
+            self.mode = mode
+            if retry_after is not None:
+                self.retry_after = retry_after
+            if slow_seconds is not None:
+                self.slow_seconds = slow_seconds
+
+    # -- for subclasses --------------------------------------------------------------------------
+    def handle(self, request: Request) -> Response:
+        raise NotImplementedError
+
+    def unavailable(self) -> Response:
+        """The gateway's own 503 answer."""
+        raise NotImplementedError
+
+    def rate_limited(self) -> Response:
+        """The gateway's own 429 answer (without ``Retry-After``; added here)."""
+        raise NotImplementedError
+
+    # -- plumbing --------------------------------------------------------------------------------
+    def _serve(self, handler: BaseHTTPRequestHandler) -> None:
+        parts = urlsplit(handler.path)
+        length = int(handler.headers.get("Content-Length") or 0)
+        request = Request(method=handler.command, path=parts.path, query=parts.query,
+                          headers={k.lower(): v for k, v in handler.headers.items()},
+                          body=handler.rfile.read(length) if length else b"")
+        with self.lock:
+            self.received.append(request)
+            mode = self.mode
+        if mode == "unreachable":
+            handler.close_connection = True
+            return
+        if mode == "slow" and self._stopping.wait(self.slow_seconds):
+            return
+        if mode == "down":
+            response = self.unavailable()
+        elif mode == "rate_limited":
+            response = self.rate_limited()
+            response.headers["Retry-After"] = str(self.retry_after)
+        else:
+            with self.lock:  # one request at a time: the fakes' state is plain dicts
+                response = self.handle(request)
+        try:
+            handler.send_response(response.status)
+            for name, value in response.headers.items():
+                handler.send_header(name, value)
+            handler.send_header("Content-Length", str(len(response.body)))
+            handler.end_headers()
+            handler.wfile.write(response.body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (e.g. timed out in "slow" mode)
