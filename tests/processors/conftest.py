@@ -9,10 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 
+from processors.paypal import PayPalProcessor
 from processors.stripe import StripeProcessor
+from tests.fakes.paypal_server import FakePayPal
 from tests.fakes.stripe_server import FakeStripe
 
 STRIPE_WEBHOOK_SECRET = "whsec_test_secret"
+PAYPAL_WEBHOOK_ID = "WH-1TEST0000000000A"
 
 
 @pytest.fixture
@@ -31,3 +34,22 @@ def stripe_config(stripe_fake: FakeStripe) -> dict[str, object]:
 @pytest.fixture
 def stripe_processor(stripe_config: dict[str, object]) -> StripeProcessor:
     return StripeProcessor(account="default", config=stripe_config)
+
+
+@pytest.fixture
+def paypal_fake() -> Iterator[FakePayPal]:
+    fake = FakePayPal(client_id="refundops-client", client_secret="refundops-secret").start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def paypal_config(paypal_fake: FakePayPal) -> dict[str, object]:
+    return {"client_id": paypal_fake.client_id, "client_secret": paypal_fake.client_secret,
+            "environment": "sandbox", "base_url": paypal_fake.url,
+            "webhook_id": PAYPAL_WEBHOOK_ID, "timeout": 5}
+
+
+@pytest.fixture
+def paypal_processor(paypal_config: dict[str, object]) -> PayPalProcessor:
+    return PayPalProcessor(account="default", config=paypal_config)

@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import stripe
 
 from processors.base import (
     InvalidWebhook,
@@ -18,8 +19,6 @@ from processors.money import Money
 from processors.stripe import StripeProcessor
 from tests.fakes.stripe_server import FakeStripe, parse_form
 from tests.processors.conftest import STRIPE_WEBHOOK_SECRET
-
-import stripe
 
 
 def _payment(reference: str, authorization: str = "") -> PaymentRef:

@@ -1,0 +1,304 @@
+"""PayPal behind the processor interface, through the official ``paypal-server-sdk``.
+
+The SDK knows only PayPal's two hosts; :class:`_Configuration` adds a ``base_url`` override (as
+``stripe`` takes ``base_addresses``) so the same adapter code reaches a local fake in tests.
+Every SDK call goes through :func:`_edge`, which turns its errors into
+:class:`ProcessorUnavailable` (retry later) or :class:`ProcessorDeclined` (final, with PayPal's
+issue name as the code).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import requests
+from apimatic_core.exceptions.auth_validation_exception import AuthValidationException
+from paypalserversdk.configuration import Configuration, Environment, Server
+from paypalserversdk.exceptions.api_exception import ApiException
+from paypalserversdk.http.auth.o_auth_2 import ClientCredentialsAuthCredentials, OAuth2
+from paypalserversdk.models.capture_request import CaptureRequest
+from paypalserversdk.models.money import Money as PayPalMoney
+from paypalserversdk.models.o_auth_token import OAuthToken
+from paypalserversdk.models.refund_request import RefundRequest as PayPalRefundRequest
+from paypalserversdk.paypal_serversdk_client import PaypalServersdkClient
+
+from processors.base import (
+    CaptureResult,
+    InvalidWebhook,
+    PaymentRef,
+    ProcessorDeclined,
+    ProcessorUnavailable,
+    RefundRequest,
+    RefundResult,
+    RefundStatus,
+    VoidResult,
+    WebhookEvent,
+)
+from processors.money import Money, currency_exponent
+
+STATUSES: dict[str, RefundStatus] = {
+    "COMPLETED": "succeeded",
+    "PENDING": "pending",
+    "FAILED": "failed",
+    "CANCELLED": "canceled",
+}
+
+# PayPal takes these currencies in whole units only, though ISO 4217 gives HUF and TWD cents.
+NO_DECIMALS = frozenset({"HUF", "JPY", "TWD"})
+
+TRANSMISSION_HEADERS = {
+    "auth_algo": "PAYPAL-AUTH-ALGO",
+    "cert_url": "PAYPAL-CERT-URL",
+    "transmission_id": "PAYPAL-TRANSMISSION-ID",
+    "transmission_sig": "PAYPAL-TRANSMISSION-SIG",
+    "transmission_time": "PAYPAL-TRANSMISSION-TIME",
+}
+
+CUSTOM_ID_MAX = 127  # PayPal's limit for custom_id
+
+
+def paypal_value(amount: Money) -> str:
+    """Minor units as PayPal's decimal string, exactly: 1999 USD → "19.99", 500 JPY → "500",
+    1234 KWD → "1.234". Refuses an amount PayPal cannot state rather than rounding it."""
+    if amount.amount_minor < 0:
+        raise ProcessorDeclined("PayPal amounts are never negative", code="NEGATIVE_AMOUNT")
+    exponent = amount.exponent
+    whole, fraction = divmod(amount.amount_minor, 10**exponent)
+    if amount.currency in NO_DECIMALS:
+        if fraction:
+            raise ProcessorDeclined(f"PayPal takes {amount.currency} in whole units only; "
+                                    f"{amount} is not one", code="DECIMALS_NOT_SUPPORTED")
+        return str(whole)
+    return f"{whole}.{fraction:0{exponent}d}" if exponent else str(whole)
+
+
+def money_from_paypal(value: str, currency: str) -> Money:
+    """PayPal's decimal string back into minor units, exactly."""
+    try:
+        minor = Decimal(value).scaleb(currency_exponent(currency))
+    except InvalidOperation:
+        raise ValueError(f"{value!r} is not a PayPal amount") from None
+    if minor != minor.to_integral_value():
+        raise ValueError(f"{value} {currency} has more decimals than {currency} allows")
+    return Money(int(minor), currency)
+
+
+class _Configuration(Configuration):
+    """The SDK's configuration with one addition: ``base_url`` replaces PayPal's host."""
+
+    def __init__(self, *, base_url: str = "", **kwargs: Any) -> None:
+        self._base_url = base_url.rstrip("/")
+        super().__init__(**kwargs)
+
+    def get_base_uri(self, server: Server = Server.DEFAULT) -> str:
+        return self._base_url or super().get_base_uri(server)
+
+
+def _retry_after(headers: Mapping[str, str] | None) -> float | None:
+    for name, value in (headers or {}).items():
+        if name.lower() == "retry-after":
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                return None  # an HTTP date: PayPal sends seconds when it sends anything
+    return None
+
+
+def _error_code(exc: ApiException) -> str:
+    """PayPal's most specific name for the error: the first issue, else the error's name."""
+    details = getattr(exc, "details", None) or []
+    issue = getattr(details[0], "issue", None) if details else None
+    code = issue or getattr(exc, "name", None) or getattr(exc, "error", None)
+    if not code:
+        # The SDK reads the token call's errors as OAuth errors, so a 503 or 429 there keeps
+        # PayPal's usual error object unread.
+        try:
+            body = json.loads(exc.response.text or "")
+        except ValueError:
+            body = None
+        if isinstance(body, dict):
+            code = body.get("name") or body.get("error")
+    return str(code or f"http_{exc.response_code}")
+
+
+@contextmanager
+def _edge(action: str) -> Iterator[None]:
+    """Translate every SDK and transport error raised inside; nothing else escapes."""
+    try:
+        yield
+    except ApiException as exc:
+        status = exc.response_code
+        message = f"paypal {action}: HTTP {status} {getattr(exc, 'message', None) or exc.reason}"
+        if status == 429 or status >= 500:
+            raise ProcessorUnavailable(message, code=_error_code(exc),
+                                       retry_after=_retry_after(exc.response.headers)) from exc
+        raise ProcessorDeclined(message, code=_error_code(exc)) from exc
+    except requests.RequestException as exc:
+        raise ProcessorUnavailable(f"paypal {action}: {exc}", code="paypal_unreachable") from exc
+    except AuthValidationException as exc:
+        raise ProcessorDeclined(f"paypal {action}: {exc}", code="AUTHENTICATION_FAILURE") from exc
+
+
+class PayPalProcessor:
+    name = "paypal"
+
+    def __init__(self, *, account: str, config: Mapping[str, Any]) -> None:
+        self.account = account
+        self.webhook_id: str = config.get("webhook_id") or ""
+        self.timeout = float(config.get("timeout") or 30)
+        environment = (Environment.PRODUCTION if config.get("environment") == "production"
+                       else Environment.SANDBOX)
+        self._token: OAuthToken | None = None
+        self.configuration = _Configuration(
+            base_url=config.get("base_url") or "",
+            environment=environment,
+            timeout=self.timeout,
+            max_retries=0,  # the worker owns retrying, with the same PayPal-Request-Id
+            client_credentials_auth_credentials=ClientCredentialsAuthCredentials(
+                o_auth_client_id=config["client_id"], o_auth_client_secret=config["client_secret"],
+                o_auth_token_provider=self._fetch_token),
+        )
+        self.client = PaypalServersdkClient(config=self.configuration)
+
+    # -- the interface ---------------------------------------------------------------------------
+    def refund(self, request: RefundRequest) -> RefundResult:
+        body = PayPalRefundRequest(
+            amount=PayPalMoney(currency_code=request.amount.currency,
+                               value=paypal_value(request.amount)),
+            custom_id=self._custom_id(request))
+        with _edge("refund"):
+            response = self.client.payments.refund_captured_payment({
+                "capture_id": request.payment.reference,
+                "paypal_request_id": request.idempotency_key,
+                "prefer": "return=representation",
+                "body": body,
+            })
+        return self._refund_result(response.body, fallback_amount=request.amount)
+
+    def fetch_refund(self, processor_refund_id: str) -> RefundResult:
+        with _edge("fetch refund"):
+            response = self.client.payments.get_refund({"refund_id": processor_refund_id})
+        return self._refund_result(response.body)
+
+    def void(self, payment: PaymentRef, *, idempotency_key: str, verdict_id: str) -> VoidResult:
+        # PayPal's void takes no body, so the verdict travels only in our own records.
+        authorization_id = self._authorization_id(payment)
+        with _edge("void"):
+            response = self.client.payments.void_payment({
+                "authorization_id": authorization_id,
+                "paypal_request_id": idempotency_key,
+                "prefer": "return=representation",
+            })
+        status = getattr(response.body, "status", None)
+        if status not in (None, "VOIDED"):  # None: a minimal 204 answer, which means voided
+            raise ProcessorDeclined(f"authorisation {authorization_id} is {status} after void",
+                                    code="AUTHORIZATION_NOT_VOIDED")
+        return VoidResult(reference=authorization_id, status="voided")
+
+    def capture(self, payment: PaymentRef, amount: Money, *, idempotency_key: str,
+                verdict_id: str) -> CaptureResult:
+        authorization_id = self._authorization_id(payment)
+        body = CaptureRequest(
+            amount=PayPalMoney(currency_code=amount.currency, value=paypal_value(amount)),
+            final_capture=True)
+        with _edge("capture"):
+            response = self.client.payments.capture_authorized_payment({
+                "authorization_id": authorization_id,
+                "paypal_request_id": idempotency_key,
+                "prefer": "return=representation",
+                "body": body,
+            })
+        capture = response.body
+        if capture.status not in ("COMPLETED", "PENDING"):
+            raise ProcessorDeclined(f"PayPal capture is {capture.status}",
+                                    code=f"CAPTURE_{capture.status}")
+        captured = (money_from_paypal(capture.amount.value, capture.amount.currency_code)
+                    if getattr(capture, "amount", None) else amount)
+        return CaptureResult(reference=capture.id, amount=captured,
+                             status="captured" if capture.status == "COMPLETED" else "pending")
+
+    def verify_webhook(self, payload: bytes, headers: Mapping[str, str]) -> WebhookEvent:
+        """PayPal verifies its own signatures: we post the transmission headers and the event to
+        ``/v1/notifications/verify-webhook-signature`` (the SDK has no call for it). When PayPal
+        cannot be asked, that is :class:`ProcessorUnavailable`, not a forged event."""
+        if not self.webhook_id:
+            raise InvalidWebhook("no PayPal webhook id is configured", code="not_configured")
+        lowered = {key.lower(): value for key, value in headers.items()}
+        transmission = {field: lowered.get(name.lower(), "")
+                        for field, name in TRANSMISSION_HEADERS.items()}
+        missing = [TRANSMISSION_HEADERS[f] for f, value in transmission.items() if not value]
+        if missing:
+            raise InvalidWebhook(f"missing {', '.join(missing)}", code="missing_signature")
+        try:
+            event = json.loads(payload)
+            resource = event["resource"]
+            webhook_event = WebhookEvent(processor=self.name, event_id=str(event["id"]),
+                                         type=str(event["event_type"]),
+                                         object_id=str(resource["id"]), data=resource)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidWebhook(f"malformed PayPal event: {exc}", code="malformed") from None
+        with _edge("verify webhook"):
+            answer = requests.post(
+                f"{self.configuration.get_base_uri()}/v1/notifications/verify-webhook-signature",
+                json={**transmission, "webhook_id": self.webhook_id, "webhook_event": event},
+                headers={"Authorization": f"Bearer {self._access_token()}"},
+                timeout=self.timeout)
+        if answer.status_code == 429 or answer.status_code >= 500:
+            raise ProcessorUnavailable(f"paypal verify webhook: HTTP {answer.status_code}",
+                                       retry_after=_retry_after(answer.headers))
+        try:
+            status = answer.json().get("verification_status")
+        except ValueError:
+            status = None
+        if answer.status_code != 200 or status != "SUCCESS":
+            raise InvalidWebhook(f"PayPal did not verify the event (HTTP {answer.status_code}, "
+                                 f"{status or 'no verification_status'})")
+        return webhook_event
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _fetch_token(self, last_token: OAuthToken | None, auth: OAuth2) -> OAuthToken:
+        """The SDK's own token call, given as a provider so its failures reach :func:`_edge`
+        (the SDK's default path swallows them into a bare "token undefined" error)."""
+        self._token = auth.fetch_token()
+        return self._token
+
+    def _access_token(self) -> str:
+        if not self.client.oauth_2.is_valid() or self._token is None:
+            raise AuthValidationException("PayPal gave no access token")
+        return str(self._token.access_token)
+
+    @staticmethod
+    def _custom_id(request: RefundRequest) -> str:
+        # PayPal refunds have no metadata; custom_id carries our ids back on events and reports.
+        custom_id = f"{request.refund_id}|{request.verdict_id}|{request.reason}"
+        if len(custom_id) > CUSTOM_ID_MAX:
+            raise ProcessorDeclined("refund and verdict ids exceed PayPal's custom_id",
+                                    code="CUSTOM_ID_TOO_LONG")
+        return custom_id
+
+    @staticmethod
+    def _authorization_id(payment: PaymentRef) -> str:
+        if not payment.authorization_reference:
+            raise ProcessorDeclined("a PayPal void or capture needs the authorisation id",
+                                    code="AUTHORIZATION_ID_REQUIRED")
+        return payment.authorization_reference
+
+    @staticmethod
+    def _refund_result(refund: Any, *, fallback_amount: Money | None = None) -> RefundResult:
+        status = STATUSES.get(getattr(refund, "status", None) or "", "pending")
+        amount = getattr(refund, "amount", None)
+        money = (money_from_paypal(amount.value, amount.currency_code) if amount is not None
+                 else fallback_amount)
+        if money is None:
+            raise ProcessorDeclined(f"PayPal refund {refund.id} has no amount", code="NO_AMOUNT")
+        details = getattr(refund, "status_details", None)
+        reason = str(getattr(details, "reason", "") or "") if details else ""
+        final_failure = status in ("failed", "canceled")
+        return RefundResult(
+            processor_refund_id=refund.id, status=status, amount=money,
+            failure_code=(reason or refund.status) if final_failure else "",
+            failure_message=f"PayPal refund {refund.status}" if final_failure else "")

@@ -1,0 +1,400 @@
+"""A small stateful PayPal for tests, spoken to by the official ``paypal-server-sdk`` over HTTP.
+
+It speaks the published REST shapes: OAuth client credentials at ``/v1/oauth2/token``, Payments v2
+captures, authorisations and refunds with amounts as decimal strings checked the way PayPal checks
+them, PayPal's error object (``name``, ``message``, ``debug_id``, ``details[].issue``), replays
+for a repeated ``PayPal-Request-Id``, and a ``/v1/notifications/verify-webhook-signature`` that
+decides whether a transmission it signed (:meth:`FakePayPal.sign_webhook`) is genuine.
+
+Real PayPal signs with its RSA certificate; the fake signs the same fields
+(``transmission_id|transmission_time|webhook_id|crc32(event)``) with an HMAC key of its own, which
+is enough for a verifier that, like ours, asks the gateway rather than checking locally.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import string
+import zlib
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+from typing import Any
+from urllib.parse import parse_qsl
+
+from tests.fakes import FakeGateway, Request, Response
+
+# PayPal's currencies; HUF, JPY and TWD take no decimals there, every other one at most two.
+CURRENCIES = frozenset({"AUD", "BRL", "CAD", "CNY", "CZK", "DKK", "EUR", "HKD", "HUF", "ILS", "JPY",
+                        "MYR", "MXN", "TWD", "NZD", "NOK", "PHP", "PLN", "GBP", "SGD", "SEK", "CHF",
+                        "THB", "USD"})
+NO_DECIMALS = frozenset({"HUF", "JPY", "TWD"})
+VALUE = re.compile(r"^((-?[0-9]+)|(-?([0-9]+)?[.][0-9]+))$")  # PayPal's own pattern
+CERT_URL = "https://api.sandbox.paypal.com/v1/notifications/certs/CERT-360caa42-fca2a594-a5cafa77"
+DOCS = "https://developer.paypal.com/docs/api/payments/v2/"
+
+MESSAGES = {
+    "INVALID_REQUEST": "Request is not well-formed, syntactically incorrect, or violates schema.",
+    "UNPROCESSABLE_ENTITY": "The requested action could not be performed, semantically incorrect, "
+                            "or failed business validation.",
+    "RESOURCE_NOT_FOUND": "The specified resource does not exist.",
+}
+
+
+class _Problem(Exception):
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(status, json.dumps(body).encode(),
+                    {"Content-Type": "application/json",
+                     "Paypal-Debug-Id": secrets.token_hex(7), **(headers or {})})
+
+
+def paypal_error(status: int, name: str, issue: str | None = None, description: str = "", *,
+                 field: str | None = None, location: str = "body") -> Response:
+    body: dict[str, Any] = {"name": name, "message": MESSAGES.get(name, name.replace("_", " ")),
+                            "debug_id": secrets.token_hex(7)}
+    if issue:
+        detail: dict[str, Any] = {"issue": issue, "description": description or issue}
+        if field:
+            detail.update(field=field, location=location)
+        body["details"] = [detail]
+        body["links"] = [{"href": f"{DOCS}#error-{issue}", "rel": "information_link",
+                          "method": "GET"}]
+    return _json(status, body)
+
+
+def _new_id() -> str:
+    return "".join(secrets.choice(string.ascii_uppercase + string.digits) for _ in range(17))
+
+
+def _now(later: timedelta = timedelta(0)) -> str:
+    return (datetime.now(timezone.utc) + later).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _money(value: Decimal, currency: str) -> dict[str, str]:
+    places = 0 if currency in NO_DECIMALS else 2
+    return {"currency_code": currency, "value": f"{value:.{places}f}"}
+
+
+def _canonical(event: Any) -> bytes:
+    return json.dumps(event, sort_keys=True, separators=(",", ":")).encode()
+
+
+class FakePayPal(FakeGateway):
+    name = "paypal"
+
+    def __init__(self, *, client_id: str = "fake-client", client_secret: str = "fake-secret",
+                 webhook_max_age: timedelta = timedelta(minutes=5)) -> None:
+        super().__init__()
+        self.client_id = client_id
+        self.client_secret = client_secret
+        self.webhook_max_age = webhook_max_age
+        self.captures: dict[str, dict[str, Any]] = {}
+        self.authorizations: dict[str, dict[str, Any]] = {}
+        self.refunds: dict[str, dict[str, Any]] = {}
+        self.tokens_issued = 0
+        self.next_refund_status = "COMPLETED"
+        self._tokens: set[str] = set()
+        self._signing_key = secrets.token_bytes(32)
+        self._replays: dict[tuple[str, str, str], Response] = {}
+        self._routes: list[tuple[str, re.Pattern[str], Callable[..., Response]]] = [
+            ("POST", re.compile(r"/v2/payments/captures/(?P<id>[^/]+)/refund"), self._refund),
+            ("GET", re.compile(r"/v2/payments/refunds/(?P<id>[^/]+)"), self._get_refund),
+            ("POST", re.compile(r"/v2/payments/authorizations/(?P<id>[^/]+)/void"), self._void),
+            ("POST", re.compile(r"/v2/payments/authorizations/(?P<id>[^/]+)/capture"), self._capture),
+            ("POST", re.compile(r"/v1/notifications/verify-webhook-signature"), self._verify),
+        ]
+
+    # -- control API for tests -------------------------------------------------------------------
+    def add_capture(self, value: str, currency: str = "USD") -> str:
+        """A completed capture of ``value`` (PayPal's decimal string), ready to refund."""
+        with self.lock:
+            return self._new_capture(Decimal(value), currency, authorization_id=None)
+
+    def add_authorization(self, value: str, currency: str = "USD") -> str:
+        with self.lock:
+            authorization_id = _new_id()
+            self.authorizations[authorization_id] = {
+                "id": authorization_id, "status": "CREATED", "amount": _money(Decimal(value), currency),
+                "captured": Decimal(0), "create_time": _now(), "update_time": _now(),
+                "expiration_time": _now(timedelta(days=29)),
+            }
+            return authorization_id
+
+    def set_refund_status(self, refund_id: str, status: str) -> None:
+        with self.lock:
+            refund = self.refunds[refund_id]
+            if status in ("FAILED", "CANCELLED") and refund["status"] not in ("FAILED", "CANCELLED"):
+                self.captures[refund["capture_id"]]["refunded"] -= Decimal(refund["amount"]["value"])
+            refund["status"] = status
+            refund["update_time"] = _now()
+
+    @property
+    def refund_count(self) -> int:
+        """How many refunds were really created (replays of a request id do not count)."""
+        with self.lock:
+            return len(self.refunds)
+
+    def sign_webhook(self, event: dict[str, Any], *, webhook_id: str,
+                     transmission_time: datetime | None = None) -> dict[str, str]:
+        """The transmission headers PayPal would send with ``event`` for ``webhook_id``."""
+        when = (transmission_time or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        transmission_id = f"{secrets.token_hex(4)}-{secrets.token_hex(2)}-11ef-{secrets.token_hex(6)}"
+        return {
+            "PAYPAL-AUTH-ALGO": "SHA256withRSA",
+            "PAYPAL-CERT-URL": CERT_URL,
+            "PAYPAL-TRANSMISSION-ID": transmission_id,
+            "PAYPAL-TRANSMISSION-SIG": self._signature(transmission_id, when, webhook_id, event),
+            "PAYPAL-TRANSMISSION-TIME": when,
+        }
+
+    # -- failure modes ---------------------------------------------------------------------------
+    def unavailable(self) -> Response:
+        return _json(503, {"name": "SERVICE_UNAVAILABLE", "message": "Service Unavailable.",
+                           "debug_id": secrets.token_hex(7)})
+
+    def rate_limited(self) -> Response:
+        return _json(429, {"name": "RATE_LIMIT_REACHED",
+                           "message": "Too many requests. Blocked due to rate limiting.",
+                           "debug_id": secrets.token_hex(7)})
+
+    # -- dispatch --------------------------------------------------------------------------------
+    def handle(self, request: Request) -> Response:
+        if request.method == "POST" and request.path == "/v1/oauth2/token":
+            return self._token(request)
+        authorization = request.header("Authorization") or ""
+        if authorization.removeprefix("Bearer ") not in self._tokens:
+            return _json(401, {"name": "AUTHENTICATION_FAILURE",
+                               "message": "Authentication failed due to invalid authentication "
+                                          "credentials or a missing Authorization header.",
+                               "links": [{"href": "https://developer.paypal.com/docs/api/overview"
+                                                  "/#error", "rel": "information_link"}]})
+        for method, pattern, endpoint in self._routes:
+            match = pattern.fullmatch(request.path)
+            if match and method == request.method:
+                break
+        else:
+            return paypal_error(404, "RESOURCE_NOT_FOUND", "INVALID_RESOURCE_ID",
+                                "Specified resource ID does not exist.")
+        request_id = request.header("PayPal-Request-Id")
+        replay_key = (request.method, request.path, request_id or "")
+        if request_id and replay_key in self._replays:
+            # PayPal answers a repeated request id with the first result, body unexamined.
+            return self._replays[replay_key]
+        try:
+            body = json.loads(request.body) if request.body.strip() else {}
+            response = endpoint(body, request, **match.groupdict())
+        except ValueError:
+            return paypal_error(400, "INVALID_REQUEST", "MALFORMED_REQUEST_JSON",
+                                "The request JSON is not well formed.")
+        except _Problem as problem:
+            return problem.response
+        if request_id and 200 <= response.status < 300:
+            self._replays[replay_key] = response
+        return response
+
+    # -- endpoints -------------------------------------------------------------------------------
+    def _token(self, request: Request) -> Response:
+        expected = base64.b64encode(f"{self.client_id}:{self.client_secret}".encode()).decode()
+        form = dict(parse_qsl(request.body.decode()))
+        if request.header("Authorization") != f"Basic {expected}":
+            return _json(401, {"error": "invalid_client",
+                               "error_description": "Client Authentication failed"})
+        if form.get("grant_type") != "client_credentials":
+            return _json(400, {"error": "unsupported_grant_type",
+                               "error_description": "Grant Type is NULL"})
+        token = f"A21AA{secrets.token_urlsafe(24)}"
+        self._tokens.add(token)
+        self.tokens_issued += 1
+        return _json(200, {"scope": "https://uri.paypal.com/services/payments/refund",
+                           "access_token": token, "token_type": "Bearer",
+                           "app_id": "APP-80W284485P519543T", "expires_in": 32400,
+                           "nonce": f"{_now()}{secrets.token_hex(8)}"})
+
+    def _refund(self, body: dict[str, Any], request: Request, id: str) -> Response:
+        capture = self.captures.get(id)
+        if capture is None:
+            return paypal_error(404, "RESOURCE_NOT_FOUND", "INVALID_RESOURCE_ID",
+                                "Specified resource ID does not exist.", field="capture_id",
+                                location="path")
+        currency = capture["amount"]["currency_code"]
+        remaining = Decimal(capture["amount"]["value"]) - capture["refunded"]
+        if remaining <= 0:
+            return paypal_error(422, "UNPROCESSABLE_ENTITY", "CAPTURE_FULLY_REFUNDED",
+                                "The capture has already been fully refunded.")
+        value = remaining
+        if "amount" in body:
+            value = self._amount(body["amount"], "/amount")
+            if body["amount"]["currency_code"] != currency:
+                return paypal_error(422, "UNPROCESSABLE_ENTITY", "REFUND_CAPTURE_CURRENCY_MISMATCH",
+                                    "Refund must be in the same currency as the capture.",
+                                    field="/amount/currency_code")
+        if value <= 0:
+            return paypal_error(400, "INVALID_REQUEST", "INVALID_PARAMETER_VALUE",
+                                "The refund amount must be positive.", field="/amount/value")
+        if value > remaining:
+            return paypal_error(422, "UNPROCESSABLE_ENTITY", "REFUND_AMOUNT_EXCEEDED",
+                                "The refund amount must be less than or equal to the capture "
+                                "amount that has not yet been refunded.")
+        custom_id = body.get("custom_id")
+        if custom_id is not None and len(custom_id) > 127:
+            return paypal_error(400, "INVALID_REQUEST", "INVALID_STRING_MAX_LENGTH",
+                                "The value of a field is too long.", field="/custom_id")
+        capture["refunded"] += value
+        fully = capture["refunded"] == Decimal(capture["amount"]["value"])
+        capture["status"] = "REFUNDED" if fully else "PARTIALLY_REFUNDED"
+        refund_id = _new_id()
+        refund = {
+            "id": refund_id, "amount": _money(value, currency), "status": self.next_refund_status,
+            "custom_id": custom_id, "note_to_payer": body.get("note_to_payer"),
+            "capture_id": id, "create_time": _now(), "update_time": _now(),
+            "links": [{"href": f"{self.url}/v2/payments/refunds/{refund_id}", "rel": "self",
+                       "method": "GET"},
+                      {"href": f"{self.url}/v2/payments/captures/{id}", "rel": "up",
+                       "method": "GET"}],
+        }
+        self.refunds[refund_id] = refund
+        return _json(201, self._representation(refund))
+
+    def _get_refund(self, body: dict[str, Any], request: Request, id: str) -> Response:
+        refund = self.refunds.get(id)
+        if refund is None:
+            return paypal_error(404, "RESOURCE_NOT_FOUND", "INVALID_RESOURCE_ID",
+                                "Specified resource ID does not exist.", field="refund_id",
+                                location="path")
+        return _json(200, self._representation(refund))
+
+    def _void(self, body: dict[str, Any], request: Request, id: str) -> Response:
+        authorization = self.authorizations.get(id)
+        if authorization is None:
+            return paypal_error(404, "RESOURCE_NOT_FOUND", "INVALID_RESOURCE_ID",
+                                "Specified resource ID does not exist.", field="authorization_id",
+                                location="path")
+        if authorization["status"] == "VOIDED":
+            return paypal_error(422, "UNPROCESSABLE_ENTITY", "PREVIOUSLY_VOIDED",
+                                "Authorization has been previously voided and hence cannot be "
+                                "voided again.")
+        if authorization["status"] in ("CAPTURED", "PARTIALLY_CAPTURED"):
+            return paypal_error(422, "UNPROCESSABLE_ENTITY", "PREVIOUSLY_CAPTURED",
+                                "Authorization has been previously captured and hence cannot be "
+                                "voided.")
+        authorization.update(status="VOIDED", update_time=_now())
+        if request.header("Prefer") == "return=representation":
+            return _json(200, self._representation(authorization))
+        return Response(204)
+
+    def _capture(self, body: dict[str, Any], request: Request, id: str) -> Response:
+        authorization = self.authorizations.get(id)
+        if authorization is None:
+            return paypal_error(404, "RESOURCE_NOT_FOUND", "INVALID_RESOURCE_ID",
+                                "Specified resource ID does not exist.", field="authorization_id",
+                                location="path")
+        if authorization["status"] == "VOIDED":
+            return paypal_error(422, "UNPROCESSABLE_ENTITY", "AUTHORIZATION_VOIDED",
+                                "A voided authorization cannot be captured.")
+        if authorization["status"] == "CAPTURED":
+            return paypal_error(422, "UNPROCESSABLE_ENTITY", "AUTHORIZATION_ALREADY_CAPTURED",
+                                "Authorization has already been captured.")
+        currency = authorization["amount"]["currency_code"]
+        remaining = Decimal(authorization["amount"]["value"]) - authorization["captured"]
+        value = remaining
+        if "amount" in body:
+            value = self._amount(body["amount"], "/amount")
+            if body["amount"]["currency_code"] != currency:
+                return paypal_error(422, "UNPROCESSABLE_ENTITY", "CURRENCY_MISMATCH",
+                                    "Currency of capture must be the same as currency of "
+                                    "authorization.", field="/amount/currency_code")
+        if value <= 0 or value > remaining:
+            return paypal_error(422, "UNPROCESSABLE_ENTITY", "MAX_CAPTURE_AMOUNT_EXCEEDED",
+                                "Capture amount exceeds allowable limit.", field="/amount/value")
+        authorization["captured"] += value
+        final = bool(body.get("final_capture", False)) or value == remaining
+        authorization.update(status="CAPTURED" if final else "PARTIALLY_CAPTURED",
+                             update_time=_now())
+        capture_id = self._new_capture(value, currency, authorization_id=id,
+                                       final_capture=final)
+        return _json(201, self._representation(self.captures[capture_id]))
+
+    def _verify(self, body: dict[str, Any], request: Request) -> Response:
+        fields = ("auth_algo", "cert_url", "transmission_id", "transmission_sig",
+                  "transmission_time", "webhook_id", "webhook_event")
+        for field in fields:
+            if not body.get(field):
+                return paypal_error(400, "VALIDATION_ERROR", "MISSING_REQUIRED_PARAMETER",
+                                    f"{field} is required.", field=f"/{field}")
+        try:
+            sent = datetime.strptime(body["transmission_time"], "%Y-%m-%dT%H:%M:%SZ").replace(
+                tzinfo=timezone.utc)
+        except ValueError:
+            sent = None
+        genuine = (
+            body["auth_algo"] == "SHA256withRSA"
+            and body["cert_url"].startswith(("https://api.paypal.com/", "https://api.sandbox.paypal.com/"))
+            and sent is not None
+            and abs(datetime.now(timezone.utc) - sent) <= self.webhook_max_age
+            and hmac.compare_digest(body["transmission_sig"], self._signature(
+                body["transmission_id"], body["transmission_time"], body["webhook_id"],
+                body["webhook_event"]))
+        )
+        return _json(200, {"verification_status": "SUCCESS" if genuine else "FAILURE"})
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _amount(self, amount: Any, field: str) -> Decimal:
+        """Check an amount the way PayPal does; its value as a Decimal."""
+        if not isinstance(amount, dict) or not amount.get("currency_code") or not amount.get("value"):
+            raise _Problem(paypal_error(400, "INVALID_REQUEST", "MISSING_REQUIRED_PARAMETER",
+                                        "A required field is missing.", field=field))
+        currency, value = amount["currency_code"], str(amount["value"])
+        if not VALUE.match(value):
+            raise _Problem(paypal_error(400, "INVALID_REQUEST", "INVALID_PARAMETER_SYNTAX",
+                                        "The value of a field does not conform to the expected "
+                                        "format.", field=f"{field}/value"))
+        if currency not in CURRENCIES:
+            raise _Problem(paypal_error(422, "UNPROCESSABLE_ENTITY", "CURRENCY_NOT_SUPPORTED",
+                                        "Currency code is not currently supported.",
+                                        field=f"{field}/currency_code"))
+        decimals = len(value.partition(".")[2])
+        if currency in NO_DECIMALS and decimals:
+            raise _Problem(paypal_error(400, "INVALID_REQUEST", "DECIMALS_NOT_SUPPORTED",
+                                        "Currency does not support decimals.",
+                                        field=f"{field}/value"))
+        if decimals > 2:
+            raise _Problem(paypal_error(400, "INVALID_REQUEST", "DECIMAL_PRECISION",
+                                        "If the currency supports decimals, only two decimal "
+                                        "place precision is supported.", field=f"{field}/value"))
+        return Decimal(value)
+
+    def _new_capture(self, value: Decimal, currency: str, *, authorization_id: str | None,
+                     final_capture: bool = True) -> str:
+        capture_id = _new_id()
+        self.captures[capture_id] = {
+            "id": capture_id, "status": "COMPLETED", "amount": _money(value, currency),
+            "final_capture": final_capture, "refunded": Decimal(0),
+            "authorization_id": authorization_id,
+            "seller_protection": {"status": "ELIGIBLE",
+                                  "dispute_categories": ["ITEM_NOT_RECEIVED",
+                                                         "UNAUTHORIZED_TRANSACTION"]},
+            "create_time": _now(), "update_time": _now(),
+        }
+        return capture_id
+
+    @staticmethod
+    def _representation(resource: dict[str, Any]) -> dict[str, Any]:
+        """The resource as PayPal shows it: without the fake's own bookkeeping."""
+        private = {"refunded", "captured", "capture_id", "authorization_id"}
+        return {key: value for key, value in resource.items()
+                if key not in private and value is not None}
+
+    def _signature(self, transmission_id: str, when: str, webhook_id: str, event: Any) -> str:
+        message = f"{transmission_id}|{when}|{webhook_id}|{zlib.crc32(_canonical(event))}"
+        return base64.b64encode(hmac.new(self._signing_key, message.encode(),
+                                         hashlib.sha256).digest()).decode()
