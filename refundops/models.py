@@ -419,6 +419,10 @@ def new_payment_operation_id() -> str:
     return new_id("op")
 
 
+def new_link_template_id() -> str:
+    return new_id("tpl")
+
+
 class PaymentOperation(models.Model):
     """One void or capture of a payment, from the decision to the gateway's answer. Decided and
     committed before the gateway is called; at most one per payment is in flight or done."""
@@ -464,6 +468,7 @@ class PaymentLinkTemplate(models.Model):
     """A message a person approved for payment links. ``$amount``, ``$url``, ``$order_reference``
     and ``$customer_name`` are filled in when a link is sent."""
 
+    id = models.CharField(primary_key=True, max_length=40, default=new_link_template_id, editable=False)
     name = models.CharField(max_length=100, unique=True)
     message = models.TextField()
     approved_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT,
