@@ -1,1 +1,147 @@
-"""Admin for finance's refund limits and fraud's hold rules."""
+"""Admin for finance's refund limits and fraud's hold rules.
+
+Both are versioned: every verdict names the version it was decided under, so a version is never
+edited or deleted. Saving a change to the current version writes a new row (version + 1, made by
+the user who saved); older versions are shown read-only. Who may change which is ordinary Django
+permissions (finance: ``change_refundlimits``, fraud: ``change_holdrules``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db import transaction
+from django.db.models import Model
+
+from audit.services import record_audit
+from processors.money import format_minor
+from refundops.models import HoldRules, Reason, RefundLimits
+
+AMOUNT_FIELDS = ("approval_threshold_minor", "customer_daily_amount_minor", "customer_30d_amount_minor",
+                 "agent_hourly_amount_minor", "agent_daily_amount_minor", "session_amount_minor",
+                 "global_daily_amount_minor")
+
+
+class RefundLimitsForm(forms.ModelForm):
+    allowed_reasons = forms.MultipleChoiceField(choices=Reason.choices, required=False,
+                                                widget=forms.CheckboxSelectMultiple,
+                                                help_text="Reasons an agent may use")
+
+    class Meta:
+        model = RefundLimits
+        fields = "__all__"
+        help_texts = {name: "Minor units of the currency (1999 = 19.99 USD, 1999 = 1,999 JPY)"
+                      for name in AMOUNT_FIELDS}
+
+    def clean_reason_thresholds(self) -> dict[str, int]:
+        value = self.cleaned_data.get("reason_thresholds") or {}
+        if not isinstance(value, dict):
+            raise forms.ValidationError('Give a JSON object, e.g. {"fraudulent": 2000}.')
+        for reason, threshold in value.items():
+            if reason not in Reason.values:
+                raise forms.ValidationError(f"{reason!r} is not a reason; reasons are {', '.join(Reason.values)}.")
+            if type(threshold) is not int or threshold < 0:
+                raise forms.ValidationError(f"The threshold for {reason} must be a whole number of minor "
+                                            f"units, zero or more.")
+        return value
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        for name in AMOUNT_FIELDS:
+            if data.get(name) is not None and data[name] < 0:
+                self.add_error(name, "Must be zero or more.")
+        return data
+
+
+class VersionedAdmin(admin.ModelAdmin):
+    """A change never updates a row: it writes the next version of the series."""
+
+    series_fields: tuple[str, ...] = ()  # what names one series of versions, besides the model
+    always_readonly = ("version", "created_by", "created_at")
+    save_as = False
+    audit_subject = ""
+
+    def series(self, obj: Model):
+        return type(obj).objects.filter(**{f: getattr(obj, f) for f in self.series_fields})
+
+    def is_current(self, obj: Model) -> bool:
+        return not self.series(obj).filter(version__gt=obj.version).exists()
+
+    @admin.display(boolean=True, description="current")
+    def current(self, obj: Model) -> bool:
+        return self.is_current(obj)
+
+    def get_readonly_fields(self, request, obj=None):
+        # The series a row belongs to is fixed once it exists.
+        return self.always_readonly + (self.series_fields if obj is not None else ())
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return super().has_change_permission(request, obj) and (obj is None or self.is_current(obj))
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    def save_model(self, request, obj: Model, form, change: bool) -> None:
+        before = obj.version if change else None
+        with transaction.atomic():
+            # Locks the series so two people saving at once get consecutive versions.
+            latest = self.series(obj).select_for_update().order_by("-version").first()
+            if change and latest is not None and latest.version != before:
+                raise PermissionDenied("Only the current version can be changed; reload it.")
+            obj.pk = None
+            obj._state.adding = True
+            obj.version = (latest.version if latest else 0) + 1
+            obj.created_by = request.user.get_username()
+            obj.save()
+            record_audit(actor=f"user:{obj.created_by}", action=f"{self.audit_subject}.version_created",
+                         subject_type=self.audit_subject, subject_id=str(obj.pk),
+                         data={"version": obj.version, "replaces": before, "changed": form.changed_data,
+                               **{f: getattr(obj, f) for f in self.series_fields}})
+        if change:
+            messages.info(request, f"Saved as version {obj.version}; version {before} is kept unchanged "
+                                   f"for the verdicts that name it.")
+
+
+@admin.register(RefundLimits)
+class RefundLimitsAdmin(VersionedAdmin):
+    form = RefundLimitsForm
+    series_fields = ("currency",)
+    audit_subject = "refund_limits"
+    list_display = ("__str__", "currency", "version", "current", "approval_threshold",
+                    "customer_daily", "global_daily", "created_by", "created_at")
+    list_filter = ("currency",)
+    fieldsets = (
+        (None, {"fields": ("currency", "version", "note", "created_by", "created_at")}),
+        ("Per refund", {"fields": ("approval_threshold_minor", "reason_thresholds", "allowed_reasons",
+                                   "refund_window_days", "max_refunds_per_payment")}),
+        ("Running totals", {"fields": ("customer_daily_count", "customer_daily_amount_minor",
+                                       "customer_30d_count", "customer_30d_amount_minor",
+                                       "agent_hourly_amount_minor", "agent_daily_amount_minor",
+                                       "session_amount_minor", "global_daily_amount_minor")}),
+    )
+
+    @admin.display(description="approval threshold")
+    def approval_threshold(self, obj: RefundLimits) -> str:
+        return format_minor(obj.approval_threshold_minor, obj.currency)
+
+    @admin.display(description="customer per day")
+    def customer_daily(self, obj: RefundLimits) -> str:
+        return f"{obj.customer_daily_count} / {format_minor(obj.customer_daily_amount_minor, obj.currency)}"
+
+    @admin.display(description="global per day")
+    def global_daily(self, obj: RefundLimits) -> str:
+        return format_minor(obj.global_daily_amount_minor, obj.currency)
+
+
+@admin.register(HoldRules)
+class HoldRulesAdmin(VersionedAdmin):
+    audit_subject = "hold_rules"
+    list_display = ("__str__", "version", "current", "hold_disputed", "hold_flagged",
+                    "hold_recent_contact_change", "contact_change_days", "hold_customer_velocity",
+                    "velocity_max_refunds", "velocity_window_hours", "created_by", "created_at")
+    fields = ("version", "note", "hold_disputed", "hold_flagged", "hold_recent_contact_change",
+              "contact_change_days", "hold_customer_velocity", "velocity_max_refunds",
+              "velocity_window_hours", "created_by", "created_at")

@@ -1,0 +1,169 @@
+"""Rate limits per agent, per agent session and global, in Redis, and the Redis connection that
+the breaker shares.
+
+Algorithm: an exact sliding window log. Each scope is a sorted set of request timestamps; one
+MULTI/EXEC drops the entries older than the window, adds this request and counts, for every scope
+at once. If any scope is then over its limit the request is refused and its entries are removed
+again. Entries of refused requests are only briefly visible, so a race can refuse a request that
+would have fit, never admit one that does not: at most ``limit`` requests are admitted in any
+window of ``RATE_LIMIT_WINDOW_SECONDS``. Plain MULTI (no Lua) so the in-process fakeredis of the
+embedded mode runs the very same code.
+
+Settings (env, see refundops.settings; 0 turns a scope off):
+``RATE_LIMIT_AGENT_PER_MINUTE`` (600), ``RATE_LIMIT_SESSION_PER_MINUTE`` (300),
+``RATE_LIMIT_GLOBAL_PER_MINUTE`` (6000), ``RATE_LIMIT_WINDOW_SECONDS`` (60).
+
+Redis unreachable: calls that move money fail closed (503 ``SERVICE_UNAVAILABLE``); lookups go on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+from django.conf import settings
+from rest_framework.permissions import SAFE_METHODS
+from rest_framework.throttling import BaseThrottle
+
+from refundops.callers import Caller
+from refundops.errors import ApiError
+from refundops.models import AgentKey
+
+log = logging.getLogger(__name__)
+
+PREFIX = "refundops:rl"
+_clients: dict[str, redis.Redis] = {}
+_clients_lock = threading.Lock()
+
+
+def redis_client() -> redis.Redis:
+    """One client (and connection pool) per URL per process; an in-process fakeredis when
+    ``settings.REDIS_URL`` is empty (embedded demo mode). Short timeouts: failing closed fast
+    beats holding a request while Redis is away."""
+    url = settings.REDIS_URL
+    client = _clients.get(url)
+    if client is None:
+        with _clients_lock:
+            client = _clients.get(url)
+            if client is None:
+                if url:
+                    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
+                else:
+                    import fakeredis
+
+                    client = fakeredis.FakeRedis()
+                _clients[url] = client
+    return client
+
+
+def store_unavailable(what: str) -> ApiError:
+    return ApiError("SERVICE_UNAVAILABLE",
+                    f"The {what} store (Redis) is unreachable, so calls that move money are refused "
+                    f"until it is back. Lookups still work. Retry in a few seconds.",
+                    headers={"Retry-After": "5"}, retry_after=5)
+
+
+DEFAULTS = {"RATE_LIMIT_AGENT_PER_MINUTE": 600, "RATE_LIMIT_SESSION_PER_MINUTE": 300,
+            "RATE_LIMIT_GLOBAL_PER_MINUTE": 6000, "RATE_LIMIT_WINDOW_SECONDS": 60}
+
+
+def setting(name: str) -> int:
+    return int(getattr(settings, name, DEFAULTS[name]))
+
+
+@dataclass(frozen=True)
+class Scope:
+    name: str  # "agent", "session" or "global": named in the refusal
+    key: str
+    limit: int
+
+
+def scopes_for(*, agent_id: str, session_id: str | None) -> list[Scope]:
+    scopes = [Scope("agent", f"{PREFIX}:agent:{agent_id}", setting("RATE_LIMIT_AGENT_PER_MINUTE"))]
+    if session_id:
+        scopes.append(Scope("session", f"{PREFIX}:session:{agent_id}:{session_id}",
+                            setting("RATE_LIMIT_SESSION_PER_MINUTE")))
+    scopes.append(Scope("global", f"{PREFIX}:global", setting("RATE_LIMIT_GLOBAL_PER_MINUTE")))
+    return [s for s in scopes if s.limit > 0]
+
+
+def check_rate_limits(*, caller: Caller, session_id: str | None = None, moves_money: bool = True,
+                      now: float | None = None) -> None:
+    """Count one request by ``caller`` or raise ``ApiError("RATE_LIMITED")`` with Retry-After.
+    Staff callers are not rate limited. Used by the DRF throttle below and by the MCP server."""
+    if caller.agent is None:
+        return
+    scopes = scopes_for(agent_id=caller.agent.id, session_id=session_id)
+    if not scopes:
+        return
+    now = time.time() if now is None else now
+    window = setting("RATE_LIMIT_WINDOW_SECONDS")
+    member = f"{now:.6f}:{secrets.token_hex(4)}"
+    client = redis_client()
+    try:
+        pipe = client.pipeline(transaction=True)
+        for scope in scopes:
+            pipe.zremrangebyscore(scope.key, "-inf", now - window)
+            pipe.zadd(scope.key, {member: now})
+            pipe.zcard(scope.key)
+            pipe.zrange(scope.key, 0, 0, withscores=True)
+            pipe.expire(scope.key, window + 1)
+        replies = pipe.execute()
+        over = []
+        for i, scope in enumerate(scopes):
+            count, oldest = replies[i * 5 + 2], replies[i * 5 + 3]
+            if count > scope.limit:
+                over.append((scope, oldest[0][1] + window - now if oldest else window))
+        if over:
+            pipe = client.pipeline(transaction=True)
+            for scope in scopes:
+                pipe.zrem(scope.key, member)
+            pipe.execute()
+    except redis.RedisError as exc:
+        if not moves_money:
+            log.warning("rate limits skipped for a lookup: Redis unreachable (%s)", exc)
+            return
+        log.error("rate limits: Redis unreachable (%s); failing closed", exc)
+        raise store_unavailable("rate-limit") from exc
+    if over:
+        scope, wait = max(over, key=lambda o: o[1])
+        retry_after = max(1, math.ceil(wait))
+        raise ApiError("RATE_LIMITED",
+                       f"Too many requests: the {scope.name} limit is {scope.limit} per {window} seconds. "
+                       f"Retry after {retry_after} seconds.",
+                       headers={"Retry-After": str(retry_after)}, retry_after=retry_after, scope=scope.name)
+
+
+def _session_id_from_body(request) -> str | None:
+    """The agent session named in a JSON body, if it parses. The body is validated later (the
+    contract checks rate limits before the body), so anything unexpected here just means no session."""
+    try:
+        data = json.loads(request._request.body or b"null")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    agent = data.get("agent") if isinstance(data, dict) else None
+    session = agent.get("session_id") if isinstance(agent, dict) else None
+    return session if isinstance(session, str) and session else None
+
+
+class AgentRateThrottle(BaseThrottle):
+    """DRF's hook, which runs after authentication and the capability check, before the body.
+    Answers through ApiError (429 RATE_LIMITED with Retry-After, or 503 SERVICE_UNAVAILABLE)."""
+
+    def allow_request(self, request, view) -> bool:
+        key = request.auth
+        if not isinstance(key, AgentKey):
+            return True
+        moves_money = request.method not in SAFE_METHODS
+        check_rate_limits(caller=Caller.for_key(key), moves_money=moves_money,
+                          session_id=_session_id_from_body(request) if moves_money else None)
+        return True
+
+    def wait(self) -> float | None:
+        return None
