@@ -47,12 +47,17 @@ def submit_refund(self, *, refund_id: str) -> str:
     return status
 
 
-@shared_task
-def sync_refund(*, refund_id: str) -> str:
+@shared_task(bind=True, max_retries=12)
+def sync_refund(self, *, refund_id: str) -> str:
+    """Look at a submitted refund again, sooner at first and then less often, until the gateway
+    says how it ended. Webhooks usually get there first; the periodic sync is the safety net."""
     try:
-        return payouts.sync_refund(refund_id=refund_id).status
+        status = payouts.sync_refund(refund_id=refund_id).status
     except ProcessorUnavailable:
-        return "unavailable"
+        status = RefundState.SUBMITTED
+    if status == RefundState.SUBMITTED and self.request.retries < self.max_retries:
+        raise self.retry(countdown=min(settings.REFUND_FIRST_SYNC_SECONDS * 2 ** (self.request.retries + 1), 3600))
+    return status
 
 
 @shared_task

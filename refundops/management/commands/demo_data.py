@@ -1,0 +1,148 @@
+"""Fill an empty database with sandbox customers and payments that show every path."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+from django.contrib.auth.models import Group, Permission, User
+from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
+from django.utils import timezone
+
+from approvals.models import ApprovalAuthority
+from processors import sandbox
+from processors.money import Money
+from refundops.access import generate_key
+from refundops.models import (
+    Agent,
+    AgentKey,
+    Capability,
+    Customer,
+    HoldRules,
+    Payment,
+    PlatformState,
+    Reason,
+    RefundLimits,
+)
+
+DEMO_PASSWORD = "refundops-demo"
+STAFF = {
+    # username: (group, what they do in the admin)
+    "approver": ("Finance approvers", "approves or rejects held refunds, edits limits"),
+    "auditor": ("Auditors", "reads verdicts, history and the audit log"),
+    "operator": ("Operators", "kill switch, agents and keys, sandbox gateway"),
+}
+GROUP_PERMISSIONS = {
+    "Finance approvers": ["view_payment", "view_refund", "change_refund", "approve_refund", "view_verdict",
+                          "view_refundlimits", "add_refundlimits", "change_refundlimits", "view_customer",
+                          "view_historicalrefund", "view_auditentry", "view_approvalauthority"],
+    "Auditors": ["view_payment", "view_refund", "view_verdict", "view_auditentry", "view_customer",
+                 "view_historicalrefund", "view_historicalpayment", "view_refundlimits", "view_holdrules",
+                 "view_agent", "view_agentkey"],
+    "Operators": ["view_payment", "view_refund", "view_verdict", "view_auditentry", "view_agent", "add_agent",
+                  "change_agent", "view_agentkey", "change_agentkey", "view_platformstate",
+                  "change_platformstate", "view_sandboxcontrol", "change_sandboxcontrol",
+                  "view_holdrules", "add_holdrules", "change_holdrules"],
+}
+
+
+class Command(BaseCommand):
+    help = "Create demo customers, sandbox payments for every path, demo staff and an agent key."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--json", action="store_true", dest="as_json", help="print ids, logins and the key as JSON")
+
+    def handle(self, *args, as_json: bool = False, **options):
+        if Payment.objects.exists() or Agent.objects.exists():
+            raise CommandError("demo_data fills an empty database; this one already has payments or agents.")
+        with transaction.atomic():
+            out = self._create()
+        if as_json:
+            self.stdout.write(json.dumps(out, indent=2))
+        else:
+            self.stdout.write(self.style.SUCCESS("Demo data created."))
+            for login in out["staff"]:
+                self.stdout.write(f"  {login['role']:9} {login['username']} / {login['password']}")
+            self.stdout.write(f"  agent key (shown once): {out['agent']['key']}")
+
+    def _create(self) -> dict:
+        now = timezone.now()
+        RefundLimits.objects.create(
+            currency="USD", version=1, approval_threshold_minor=20_000,
+            reason_thresholds={"fraudulent": 5_000}, allowed_reasons=list(Reason.values),
+            refund_window_days=60, max_refunds_per_payment=3, customer_daily_count=5,
+            customer_daily_amount_minor=100_000, customer_30d_count=20, customer_30d_amount_minor=500_000,
+            agent_hourly_amount_minor=200_000, agent_daily_amount_minor=1_000_000,
+            session_amount_minor=100_000, global_daily_amount_minor=2_000_000,
+            note="Demo limits", created_by="demo_data")
+        RefundLimits.objects.create(
+            currency="EUR", version=1, approval_threshold_minor=20_000, allowed_reasons=list(Reason.values),
+            refund_window_days=60, max_refunds_per_payment=3, customer_daily_count=5,
+            customer_daily_amount_minor=100_000, customer_30d_count=20, customer_30d_amount_minor=500_000,
+            agent_hourly_amount_minor=200_000, agent_daily_amount_minor=1_000_000,
+            session_amount_minor=100_000, global_daily_amount_minor=2_000_000,
+            note="Demo limits", created_by="demo_data")
+        HoldRules.objects.create(version=1, contact_change_days=7, velocity_max_refunds=3,
+                                 velocity_window_hours=24, note="Demo rules", created_by="demo_data")
+        PlatformState.current()
+        sandbox.set_mode("up", settle_delay_seconds=5)
+
+        def customer(name: str, **fields) -> Customer:
+            email = name.lower().replace(" ", ".") + "@example.com"
+            return Customer.objects.create(name=name, email=email, address=f"1 {name} Street", **fields)
+
+        def pay(label: str, cust: Customer, amount: int, *, currency: str = "USD", days_ago: float = 2,
+                captured: bool = True, **fields) -> dict:
+            reference = sandbox.open_charge(amount=Money(amount, currency), captured=captured)
+            payment = Payment.objects.create(
+                customer=cust, processor="sandbox", processor_reference=reference, currency=currency,
+                amount_authorized_minor=amount, amount_captured_minor=amount if captured else 0,
+                status=Payment.Status.CAPTURED if captured else Payment.Status.AUTHORIZED,
+                method_type="card", method_brand="visa", method_last4=f"{4242 + len(label) % 10:04d}"[-4:],
+                captured_at=now - timedelta(days=days_ago) if captured else None,
+                order_reference=f"ORD-{1000 + Payment.objects.count()}", **fields)
+            return {"path": label, "id": payment.pk, "customer_id": cust.pk, "amount": amount,
+                    "currency": currency, "status": payment.status}
+
+        payments = [
+            pay("fresh capture", customer("Ada Lovelace"), 4_999),
+            pay("fresh capture", customer("Grace Hopper"), 12_900),
+            pay("fresh capture", customer("Alan Turing"), 2_500),
+            pay("fresh capture", customer("Katherine Johnson"), 8_000),
+            pay("fresh capture", customer("Edsger Dijkstra"), 15_000),
+            pay("fresh capture, above the approval threshold", customer("Barbara Liskov"), 45_000),
+            pay("fresh capture in EUR", customer("Tim Berners-Lee"), 3_900, currency="EUR"),
+            pay("old capture outside the refund window", customer("Claude Shannon"), 6_000, days_ago=120),
+            pay("disputed", customer("John von Neumann"), 7_500, dispute_status=Payment.Dispute.OPEN,
+                dispute_reference="dp_demo_open"),
+            pay("flagged by fraud", customer("Ken Thompson"), 9_900, fraud_flags=["velocity_anomaly"]),
+            pay("recent email change", customer("Dennis Ritchie", email_changed_at=now - timedelta(days=1)), 5_500),
+            pay("uncaptured authorisation", customer("Margaret Hamilton"), 3_000, captured=False,
+                order_amount_minor=2_800),
+            pay("order with an amount owed", customer("Frances Allen"), 10_000, amount_owed_minor=2_500,
+                order_amount_minor=12_500),
+        ]
+
+        staff = []
+        for username, (group_name, does) in STAFF.items():
+            group, _ = Group.objects.get_or_create(name=group_name)
+            group.permissions.set(Permission.objects.filter(codename__in=GROUP_PERMISSIONS[group_name]))
+            user = User.objects.create_user(username=username, password=DEMO_PASSWORD, is_staff=True,
+                                            email=f"{username}@example.com")
+            user.groups.add(group)
+            staff.append({"role": username, "username": username, "password": DEMO_PASSWORD, "does": does})
+        approver = User.objects.get(username="approver")
+        for currency in ("USD", "EUR"):
+            ApprovalAuthority.objects.create(user=approver, currency=currency, max_amount_minor=100_000)
+
+        agent = Agent.objects.create(name="demo-support-bot", owner="Customer service",
+                                     capabilities=list(Capability.values))
+        raw, prefix, digest = generate_key()
+        AgentKey.objects.create(agent=agent, prefix=prefix, key_hash=digest)
+        return {"payments": payments, "staff": staff,
+                "agent": {"id": agent.pk, "name": agent.name, "capabilities": agent.capabilities,
+                          "key": raw, "key_prefix": prefix},
+                "limits": {"currency": "USD", "approval_threshold": 20_000, "customer_daily_count": 5,
+                           "refund_window_days": 60}}
+
