@@ -1,0 +1,23 @@
+"""The one ASGI application: Django (API, admin, webhooks) and the MCP server at ``/mcp``, on the same
+host and port. Serve it with ``uvicorn refundops.asgi:application`` (lifespan on, uvicorn's default):
+the MCP session manager starts in the lifespan."""
+
+import os
+
+from django.core.asgi import get_asgi_application
+from starlette.types import Receive, Scope, Send
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "refundops.settings")
+django_app = get_asgi_application()  # sets Django up before anything imports models
+
+from refundops.mcp_server import MCP_PATH, http_app  # noqa: E402
+
+mcp_app = http_app()
+
+
+async def application(scope: Scope, receive: Receive, send: Send) -> None:
+    # Django's handler speaks only HTTP, so the lifespan goes to the MCP app, which needs it.
+    if scope["type"] == "lifespan" or scope["path"] == MCP_PATH or scope["path"].startswith(MCP_PATH + "/"):
+        await mcp_app(scope, receive, send)
+    else:
+        await django_app(scope, receive, send)
