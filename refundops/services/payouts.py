@@ -118,5 +118,5 @@ def _lock(refund_id: str) -> Refund:
 
 
 def _save(refund: Refund, reason: str) -> None:
-    refund._change_reason = reason
+    refund._change_reason = f"{WORKER}: {reason}"
     refund.save()

@@ -125,7 +125,7 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
 
     refund = None
     if decision.amount_minor > 0:  # a refund row needs an amount; "nothing refundable" has none
-        refund = Refund.objects.create(
+        refund = Refund(
             payment=payment, amount_minor=decision.amount_minor, currency=payment.currency,
             reason=ask.reason, note=ask.note,
             origin=Refund.Origin.AGENT if caller.is_agent else Refund.Origin.STAFF,
@@ -134,15 +134,17 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
             agent_reasoning=ask.agent.reasoning, conversation_context=ask.agent.conversation_context,
             idempotency_key=idempotency_key, verdict=verdict,
             estimated_arrival=estimate_arrival(payment, now.date()))
+        # History names who asked and which verdict moved it (agents are not Django users).
+        refund._change_reason = f"requested by {caller.label}"
+        refund.save()
         if decision.outcome == "approved":
             refund.approve_automatically()
-            if caller.is_agent:
-                breaker.record_refund(refund.amount_minor, refund.currency, now)
         elif decision.outcome == "held":
             refund.hold(reasons=decision.hold_reasons)
         else:
             refund.deny(code=decision.code, message=decision.message)
-        refund._change_reason = f"verdict {verdict.id}: {decision.outcome}"
+        refund._change_reason = f"verdict {verdict.id}: {decision.outcome}" + (
+            f" ({decision.code})" if decision.code else "")
         refund.save()
         sync_payment_amounts(payment)
         Verdict.objects.filter(pk=verdict.pk).update(refund_id=refund.pk)
