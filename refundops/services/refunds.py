@@ -139,6 +139,8 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
         refund.save()
         if decision.outcome == "approved":
             refund.approve_automatically()
+            if caller.is_agent:
+                breaker.record_refund(refund.amount_minor, refund.currency, now)
         elif decision.outcome == "held":
             refund.hold(reasons=decision.hold_reasons)
         else:
