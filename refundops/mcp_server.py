@@ -52,6 +52,7 @@ from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.inputs import ValidationFailed, reject_unknown, text
 from refundops.models import AgentKey, Capability, Payment
+from refundops.ratelimit import check_rate_limits
 from refundops.selectors import payment_json
 from refundops.services import refunds
 
@@ -110,6 +111,7 @@ class ToolSpec:
     tool: Tool
     capability: str
     run: Callable[[Caller, dict[str, Any]], Answer]  # sync, in the request's Django thread
+    moves_money: bool = True  # a POST in REST: refused, not waved through, while rate limits can't be counted
 
 
 def _split(arguments: dict[str, Any], *path: str, key_required: bool = True
@@ -196,22 +198,25 @@ IDEMPOTENCY_KEY = _string(
     "A fresh unique value (e.g. a UUID) for each new request; send the SAME value again when you retry "
     "the same request, so it happens once. Reusing it with different arguments is refused with "
     "IDEMPOTENCY_KEY_REUSED.", maxLength=255)
+AGENT = {"type": "object", "description": "Your context, kept with the decision for the people who review it.",
+         "properties": {"session_id": _string("Your conversation or session id."),
+                        "model": _string("The model you run on."),
+                        "reasoning": _string("Why you decided this, in a few sentences."),
+                        "conversation_context": _string("The relevant part of the conversation.")}}
+NOTE = _string("A note for the people who review it.", maxLength=2000)
 REFUND_FIELDS: dict[str, Any] = {
     "transaction_id": TRANSACTION_ID,
     "amount": {**AMOUNT, "description": AMOUNT["description"] + " Omit to refund the whole refundable amount."},
     "reason": {"type": "string", "enum": ["customer_request", "duplicate", "fraudulent", "product_issue"],
                "description": "Why the customer gets money back. A listed reason the policy does not allow "
                               "is refused with REASON_NOT_ALLOWED."},
+    # Not an enum: a client that checked it would stop a payee change before it is refused and recorded.
     "destination": _string(
         "Omit, or 'original_method' (the only allowed value): refunds go back to the card or account that "
         "paid. Any other destination is a payee change and is refused with DESTINATION_NOT_ALLOWED.",
         examples=["original_method"]),
-    "note": _string("A note for the people who review refunds.", maxLength=2000),
-    "agent": {"type": "object", "description": "Your context, kept with the refund for the people who review it.",
-              "properties": {"session_id": _string("Your conversation or session id."),
-                             "model": _string("The model you run on."),
-                             "reasoning": _string("Why you decided to refund, in a few sentences."),
-                             "conversation_context": _string("The relevant part of the conversation.")}},
+    "note": NOTE,
+    "agent": AGENT,
 }
 REFUSALS = (
     " Refusals are tool errors whose structured content is {\"error\": {\"code\", \"message\", \"verdict_id\"}}: "
@@ -240,7 +245,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Use it before a refund, void, capture or payment link to see what is possible. Refusals: "
         "PAYMENT_NOT_FOUND, VALIDATION_ERROR.",
         _object({"transaction_id": TRANSACTION_ID}, ["transaction_id"]), read_only=True),
-        Capability.PAYMENTS_READ, _lookup_payment),
+        Capability.PAYMENTS_READ, _lookup_payment, moves_money=False),
     ToolSpec(_tool(
         "check_refund_eligibility", "Check a refund (dry run)",
         "The verdict create_refund would give right now (would_be: approved, held for a person, or denied with "
@@ -264,15 +269,16 @@ TOOLS: tuple[ToolSpec, ...] = (
         "canceled), amount, verdict, estimated arrival and a message for the customer. Refusals: "
         "REFUND_NOT_FOUND, VALIDATION_ERROR.",
         _object({"refund_id": _string("The refund's id, starting with 'rf_'.")}, ["refund_id"]), read_only=True),
-        Capability.REFUNDS_CREATE, _get_refund),
+        Capability.REFUNDS_CREATE, _get_refund, moves_money=False),
     ToolSpec(_tool(
         "void_authorization", "Void an uncaptured authorisation",
         "Releases money authorised but not yet captured, so the customer is never charged. Not a refund: for "
         "captured money use create_refund. Refusals: PAYMENT_NOT_FOUND, PAYMENT_NOT_VOIDABLE (already captured "
         "or voided), VALIDATION_ERROR, IDEMPOTENCY_KEY_REUSED, GATEWAY_DECLINED, GATEWAY_UNAVAILABLE (retry "
         "later with the same idempotency_key).",
-        _object({"transaction_id": TRANSACTION_ID, "idempotency_key": IDEMPOTENCY_KEY},
-                ["transaction_id", "idempotency_key"]), read_only=False, destructive=True),
+        _object({"transaction_id": TRANSACTION_ID, "note": NOTE, "agent": AGENT,
+                 "idempotency_key": IDEMPOTENCY_KEY}, ["transaction_id", "idempotency_key"]),
+        read_only=False, destructive=True),
         Capability.AUTHORIZATIONS_VOID, _void_authorization),
     ToolSpec(_tool(
         "capture_payment", "Capture an authorised payment",
@@ -280,30 +286,34 @@ TOOLS: tuple[ToolSpec, ...] = (
         "PAYMENT_NOT_CAPTURABLE (not authorised, already captured or voided), AMOUNT_EXCEEDS_ORDER (more than "
         "the confirmed order: a person decides), VALIDATION_ERROR, IDEMPOTENCY_KEY_REUSED, GATEWAY_DECLINED, "
         "GATEWAY_UNAVAILABLE (retry later with the same idempotency_key).",
-        _object({"transaction_id": TRANSACTION_ID, "amount": AMOUNT, "idempotency_key": IDEMPOTENCY_KEY},
-                ["transaction_id", "amount", "idempotency_key"]), read_only=False),
+        _object({"transaction_id": TRANSACTION_ID, "amount": AMOUNT, "note": NOTE, "agent": AGENT,
+                 "idempotency_key": IDEMPOTENCY_KEY}, ["transaction_id", "amount", "idempotency_key"]),
+        read_only=False),
         Capability.PAYMENTS_CAPTURE, _capture_payment),
     ToolSpec(_tool(
         "send_payment_link", "Send a payment link",
-        "Sends the customer a link, worded by an approved template, to pay an amount still owed on the order "
-        "or invoice of a payment. Refusals: PAYMENT_NOT_FOUND, TEMPLATE_NOT_APPROVED (use an approved "
-        "template's name), AMOUNT_NOT_OWED (more than is owed: a person decides), VALIDATION_ERROR, "
-        "IDEMPOTENCY_KEY_REUSED, GATEWAY_UNAVAILABLE.",
+        "Sends the customer a link, worded by an approved template, to pay an amount still owed on an order "
+        "or invoice. Name the payment (transaction_id) or the order (order_reference), not both. Refusals: "
+        "PAYMENT_NOT_FOUND, TEMPLATE_NOT_APPROVED (use a template a person approved), AMOUNT_NOT_OWED (more "
+        "than is owed and not yet asked for: a person decides), PAYMENT_LINKS_UNSUPPORTED, VALIDATION_ERROR, "
+        "IDEMPOTENCY_KEY_REUSED, GATEWAY_UNAVAILABLE (retry later with the same idempotency_key).",
         _object({"transaction_id": _string("The payment whose order or invoice the amount is owed on ('txn_…')."),
-                 "template": _string("The name of an approved payment-link template."),
-                 "amount": AMOUNT, "idempotency_key": IDEMPOTENCY_KEY},
-                ["transaction_id", "template", "amount", "idempotency_key"]), read_only=False),
+                 "order_reference": _string("Or the order or invoice reference instead of transaction_id."),
+                 "template": _string("The id of an approved payment-link template."),
+                 "amount": AMOUNT, "agent": AGENT, "idempotency_key": IDEMPOTENCY_KEY},
+                ["template", "amount", "idempotency_key"]), read_only=False),
         Capability.PAYMENT_LINKS_SEND, _send_payment_link),
     ToolSpec(_tool(
         "draft_dispute_evidence", "Draft dispute evidence",
-        "Saves a draft of the evidence answering a chargeback. Only a person submits it to the bank. Refusals: "
-        "DISPUTE_NOT_FOUND, VALIDATION_ERROR, IDEMPOTENCY_KEY_REUSED.",
+        "Saves a draft of the evidence answering a chargeback; fill at least one text field. Only a person "
+        "submits it to the bank. Refusals: DISPUTE_NOT_FOUND, DISPUTE_NOT_OPEN (won, lost or already answered), "
+        "VALIDATION_ERROR, IDEMPOTENCY_KEY_REUSED.",
         _object({"dispute_id": _string("The dispute's id, starting with 'dp_'."),
                  "summary": _string("Why the charge is valid, in a few sentences."),
                  "customer_communication": _string("What the customer was told and said, with dates."),
                  "refund_policy": _string("The refund policy the customer accepted."),
                  "shipping_documentation": _string("Carrier, tracking number and delivery date."),
-                 "idempotency_key": IDEMPOTENCY_KEY},
+                 "agent": AGENT, "idempotency_key": IDEMPOTENCY_KEY},
                 ["dispute_id", "idempotency_key"]), read_only=False),
         Capability.DISPUTES_DRAFT, _draft_dispute_evidence),
 )
@@ -334,6 +344,12 @@ def _answer(call: Callable[[], Answer]) -> Answer:
         return error_answer("VALIDATION_ERROR", failed.message, verdict_id=None, field=failed.field)
 
 
+def _session_id(arguments: dict[str, Any]) -> str | None:
+    agent = arguments.get("agent")
+    session = agent.get("session_id") if isinstance(agent, dict) else None
+    return session if isinstance(session, str) and session else None
+
+
 def _allowed_tools(key: AgentKey) -> list[Tool]:
     return [spec.tool for spec in TOOLS if key.agent.has_capability(spec.capability)]
 
@@ -358,9 +374,13 @@ def build_server(resolve_key: KeyResolver) -> Server[Any]:
         arguments = dict(params.arguments or {})
 
         def run() -> Answer:
+            # The contract's order, as in REST: key, capability, rate limits, then the service.
             key = resolve_key(ctx)
             require_capability(key, spec.capability)
-            return spec.run(Caller.for_key(key), arguments)
+            caller = Caller.for_key(key)
+            check_rate_limits(caller=caller, moves_money=spec.moves_money,
+                              session_id=_session_id(arguments) if spec.moves_money else None)
+            return spec.run(caller, arguments)
         return _result(await in_django(lambda: _answer(run)))
 
     def input_schema(name: str) -> dict[str, Any] | None:
