@@ -64,3 +64,34 @@ class SandboxRefund(models.Model):
 
     def __str__(self) -> str:
         return self.reference
+
+
+class InboundEvent(models.Model):
+    """One webhook delivery as received, verified or not. A verified event's id is unique per
+    gateway, so a redelivery finds the first row; an unverified one is only a record (its id is
+    the sender's claim, and must not stop the genuine event with that id from being applied)."""
+
+    processor = models.CharField(max_length=20)
+    account = models.CharField(max_length=40, blank=True)  # the configured account that verified it
+    event_id = models.CharField(max_length=255, blank=True)
+    type = models.CharField(max_length=100, blank=True)
+    object_id = models.CharField(max_length=255, blank=True)
+    verified = models.BooleanField(default=False)
+    verification_error = models.TextField(blank=True)  # why the signature check failed
+    headers = models.JSONField(default=dict, blank=True)
+    payload = models.TextField(blank=True)  # the bytes as received, for the record
+    received_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    deliveries = models.PositiveIntegerField(default=1)  # how often the gateway sent it
+    applied_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.TextField(blank=True)  # what applying it did, in words
+    error = models.TextField(blank=True)  # why applying it has not succeeded yet
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["processor", "event_id"], condition=models.Q(verified=True),
+                                    name="inbound_event_once_per_gateway"),
+        ]
+        indexes = [models.Index(fields=["processor", "object_id"])]
+
+    def __str__(self) -> str:
+        return f"{self.processor} {self.event_id or '?'} {self.type or '?'}"
