@@ -3,12 +3,28 @@ refundops.inputs, shared with MCP, so these only document shapes."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework import serializers
 
 from refundops.errors import ERROR_STATUS
 from refundops.models import Reason
+
+
+
+class AgentKeyScheme(OpenApiAuthenticationExtension):
+    """Documents ``Authorization: Bearer rk_…`` for every operation."""
+
+    target_class = "refundops.api.auth.AgentKeyAuthentication"
+    name = "agentKey"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "bearerFormat": "rk_…",
+                "description": "An agent key (rk_…), shown once when an operator creates it."}
+
 
 IDEMPOTENCY_KEY = OpenApiParameter(
     "Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER, required=True,
@@ -138,17 +154,124 @@ class RefundDetailOut(serializers.Serializer):
 class ErrorBody(serializers.Serializer):
     code = serializers.ChoiceField(choices=sorted(ERROR_STATUS))
     message = serializers.CharField()
-    verdict_id = serializers.CharField(allow_null=True)
+    verdict_id = serializers.CharField(allow_null=True, help_text="vd_… that recorded the refusal; null "
+                                                                  "when no caller is known (a bad key)")
+    field = serializers.CharField(required=False, help_text="VALIDATION_ERROR: the field at fault")
+    deduplicated = serializers.BooleanField(required=False, help_text="A replay of the key's first answer")
+    retry_after = serializers.IntegerField(required=False, help_text="Seconds, also in Retry-After")
 
 
 class ErrorOut(serializers.Serializer):
     error = ErrorBody()
 
 
-def errors(*statuses: int) -> dict[int, OpenApiResponse]:
-    """Document each status with the contract codes that answer with it."""
-    out = {}
-    for status in statuses:
-        codes = sorted(code for code, s in ERROR_STATUS.items() if s == status)
-        out[status] = OpenApiResponse(ErrorOut, description="Codes: " + ", ".join(codes))
-    return out
+# Every call may be refused by its key, its capability or the rate limits; a POST also needs its
+# body, its Idempotency-Key, and the rate-limit store (calls that change anything fail closed).
+# IDEMPOTENCY_KEY_REUSED is every POST's but the dry run's, which claims no key.
+KEY_CHECKS = ("UNAUTHENTICATED", "CAPABILITY_NOT_GRANTED", "RATE_LIMITED")
+POST_CHECKS = (*KEY_CHECKS, "SERVICE_UNAVAILABLE", "VALIDATION_ERROR", "IDEMPOTENCY_KEY_REQUIRED")
+
+
+def errors(*codes: str) -> dict[int, OpenApiResponse]:
+    """Document each status with exactly the codes this operation answers with."""
+    by_status: dict[int, list[str]] = defaultdict(list)
+    for code in codes:
+        by_status[ERROR_STATUS[code]].append(code)
+    return {status: OpenApiResponse(ErrorOut, description="Codes: " + ", ".join(sorted(found)))
+            for status, found in sorted(by_status.items())}
+
+
+# -- voids, captures, payment links, dispute drafts --------------------------------------------------
+
+class VoidIn(serializers.Serializer):
+    note = serializers.CharField(required=False, max_length=2000)
+    agent = AgentContextIn(required=False)
+
+
+class CaptureIn(VoidIn):
+    amount = serializers.IntegerField(min_value=1, help_text="Minor units as a JSON integer, at most the "
+                                                             "confirmed order amount (order_amount).")
+
+
+class OperationOut(serializers.Serializer):
+    id = serializers.CharField(help_text="op_…")
+    kind = serializers.ChoiceField(choices=["void", "capture"])
+    status = serializers.ChoiceField(choices=["pending", "succeeded", "failed"])
+    amount = serializers.IntegerField(allow_null=True)
+    currency = serializers.CharField()
+    gateway_reference = serializers.CharField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+
+
+class OperationDone(serializers.Serializer):
+    payment = PaymentOut()
+    operation = OperationOut()
+    verdict = VerdictOut()
+    deduplicated = serializers.BooleanField()
+
+
+class PaymentLinkIn(serializers.Serializer):
+    transaction_id = serializers.CharField(required=False, max_length=40,
+                                           help_text="The payment (txn_…); or send order_reference instead")
+    order_reference = serializers.CharField(required=False, max_length=100)
+    template = serializers.CharField(max_length=40, help_text="An approved template's id (tpl_…)")
+    amount = serializers.IntegerField(min_value=1, help_text="Minor units as a JSON integer; at most what is "
+                                                             "still owed on the order (amount_owed)")
+    agent = AgentContextIn(required=False)
+
+
+class PaymentLinkOut(serializers.Serializer):
+    id = serializers.CharField(help_text="pl_…")
+    status = serializers.ChoiceField(choices=["sent", "paid", "expired", "failed"])
+    url = serializers.CharField(allow_null=True)
+    amount = serializers.IntegerField()
+    currency = serializers.CharField()
+    transaction_id = serializers.CharField()
+    order_reference = serializers.CharField(allow_null=True)
+    template = serializers.CharField()
+    message = serializers.CharField(allow_null=True, help_text="The template's text with the link filled in")
+    sent_at = serializers.DateTimeField()
+    paid_at = serializers.DateTimeField(allow_null=True)
+
+
+class PaymentLinkSent(serializers.Serializer):
+    payment_link = PaymentLinkOut()
+    verdict = VerdictOut()
+    deduplicated = serializers.BooleanField()
+
+
+class EvidenceDraftIn(serializers.Serializer):
+    summary = serializers.CharField(required=False, max_length=20000)
+    customer_communication = serializers.CharField(required=False, max_length=20000)
+    refund_policy = serializers.CharField(required=False, max_length=20000)
+    shipping_documentation = serializers.CharField(required=False, max_length=20000)
+    agent = AgentContextIn(required=False)
+
+
+class EvidenceDraftOut(serializers.Serializer):
+    id = serializers.CharField(help_text="de_…")
+    dispute_id = serializers.CharField()
+    status = serializers.ChoiceField(choices=["draft"])
+    summary = serializers.CharField()
+    customer_communication = serializers.CharField()
+    refund_policy = serializers.CharField()
+    shipping_documentation = serializers.CharField()
+    created_at = serializers.DateTimeField()
+
+
+class DisputeOut(serializers.Serializer):
+    id = serializers.CharField()
+    transaction_id = serializers.CharField()
+    status = serializers.ChoiceField(choices=["open", "won", "lost"])
+    reason = serializers.CharField()
+    amount = serializers.IntegerField()
+    currency = serializers.CharField()
+    evidence_due_by = serializers.DateTimeField(allow_null=True)
+
+
+class EvidenceDraftCreated(serializers.Serializer):
+    draft = EvidenceDraftOut()
+    dispute = DisputeOut()
+    verdict = VerdictOut()
+    deduplicated = serializers.BooleanField()
+

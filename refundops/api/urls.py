@@ -6,6 +6,11 @@ from refundops.api import views
 # Paths as the contract writes them; the same path with a trailing slash works too.
 urlpatterns = [
     re_path(r"^payments/(?P<txn_id>[^/]+)/?$", views.PaymentDetailView.as_view(), name="payment-detail"),
+    re_path(r"^payments/(?P<txn_id>[^/]+)/void/?$", views.VoidView.as_view(), name="payment-void"),
+    re_path(r"^payments/(?P<txn_id>[^/]+)/capture/?$", views.CaptureView.as_view(), name="payment-capture"),
+    re_path(r"^payment-links/?$", views.PaymentLinkView.as_view(), name="payment-link-send"),
+    re_path(r"^disputes/(?P<dp_id>[^/]+)/evidence-drafts/?$", views.EvidenceDraftView.as_view(),
+            name="dispute-evidence-draft"),
     re_path(r"^refunds/?$", views.RefundCreateView.as_view(), name="refund-create"),
     re_path(r"^refunds/check/?$", views.RefundCheckView.as_view(), name="refund-check"),
     re_path(r"^refunds/(?P<rf_id>[^/]+)/?$", views.RefundDetailView.as_view(), name="refund-detail"),

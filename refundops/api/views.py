@@ -1,4 +1,5 @@
-"""REST faces: authenticate, check the capability, call one service, render its answer."""
+"""REST faces: authenticate, check the capability and the rate limits, call one service, render
+its answer. The responses documented for each operation are exactly those it can give."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ from rest_framework.views import APIView
 
 from refundops.answers import Answer
 from refundops.api import schema
+from refundops.api.schema import KEY_CHECKS, POST_CHECKS
 from refundops.callers import Caller
-from refundops.errors import ApiError
-from refundops.models import Capability, Payment
-from refundops.selectors import payment_json
-from refundops.services import refunds
+from refundops.models import Capability
+from refundops.ratelimit import AgentRateThrottle
+from refundops.services import disputes, payments, refunds
+
+GATEWAY = ("GATEWAY_DECLINED", "GATEWAY_UNAVAILABLE")
+IN_FLIGHT = OpenApiResponse(description="A replay (deduplicated: true) of a request whose gateway call is "
+                                        "still in flight; the same body as the final answer, status pending")
 
 
 def render(answer: Answer) -> Response:
@@ -20,7 +25,10 @@ def render(answer: Answer) -> Response:
 
 
 class AgentView(APIView):
+    """Key (authentication), capability (permission), rate limits (throttle), in the contract's order."""
+
     required_capability: str
+    throttle_classes = [AgentRateThrottle]
 
     def caller(self, request) -> Caller:
         return Caller.for_key(request.auth)
@@ -34,12 +42,9 @@ class PaymentDetailView(AgentView):
     required_capability = Capability.PAYMENTS_READ
 
     @extend_schema(operation_id="lookup_payment", summary="Look up a payment",
-                   responses={200: schema.PaymentOut, **schema.errors(401, 403, 404, 429)})
+                   responses={200: schema.PaymentOut, **schema.errors(*KEY_CHECKS, "PAYMENT_NOT_FOUND")})
     def get(self, request, txn_id: str):
-        payment = Payment.objects.filter(pk=txn_id).first()
-        if payment is None:
-            raise ApiError("PAYMENT_NOT_FOUND", f"No payment {txn_id!r}; payment ids start with 'txn_'.")
-        return Response(payment_json(payment))
+        return Response(payments.lookup_payment(txn_id=txn_id))
 
 
 class RefundCreateView(AgentView):
@@ -49,7 +54,11 @@ class RefundCreateView(AgentView):
                    request=schema.RefundIn, parameters=[schema.IDEMPOTENCY_KEY],
                    responses={201: schema.RefundCreated,
                               202: OpenApiResponse(schema.RefundCreated, description="Held for a person"),
-                              **schema.errors(400, 401, 403, 404, 409, 422, 429, 503)})
+                              **schema.errors(*POST_CHECKS, "IDEMPOTENCY_KEY_REUSED", "PAYMENT_NOT_FOUND",
+                                              "PAYMENT_NOT_REFUNDABLE", "DESTINATION_NOT_ALLOWED",
+                                              "REASON_NOT_ALLOWED", "REFUND_WINDOW_EXPIRED",
+                                              "AMOUNT_EXCEEDS_REFUNDABLE", "MAX_REFUNDS_REACHED",
+                                              "CIRCUIT_OPEN", "DAILY_LIMIT_REACHED")})
     def post(self, request):
         return render(refunds.request_refund(caller=self.caller(request), data=request.data,
                                              idempotency_key=self.idempotency_key(request)))
@@ -60,7 +69,7 @@ class RefundCheckView(AgentView):
 
     @extend_schema(operation_id="check_refund_eligibility", summary="Dry run: the verdict a refund would get",
                    request=schema.RefundIn, parameters=[schema.IDEMPOTENCY_KEY],
-                   responses={200: schema.RefundCheckOut, **schema.errors(400, 401, 403, 404, 429)})
+                   responses={200: schema.RefundCheckOut, **schema.errors(*POST_CHECKS, "PAYMENT_NOT_FOUND")})
     def post(self, request):
         return render(refunds.check_refund(caller=self.caller(request), data=request.data,
                                            idempotency_key=self.idempotency_key(request)))
@@ -70,6 +79,60 @@ class RefundDetailView(AgentView):
     required_capability = Capability.REFUNDS_CREATE
 
     @extend_schema(operation_id="get_refund", summary="A refund's state, verdict and estimated arrival",
-                   responses={200: schema.RefundDetailOut, **schema.errors(401, 403, 404, 429)})
+                   responses={200: schema.RefundDetailOut, **schema.errors(*KEY_CHECKS, "REFUND_NOT_FOUND")})
     def get(self, request, rf_id: str):
         return Response(refunds.refund_detail(refund_id=rf_id))
+
+
+class VoidView(AgentView):
+    required_capability = Capability.AUTHORIZATIONS_VOID
+
+    @extend_schema(operation_id="void_authorization", summary="Void an uncaptured authorisation",
+                   request=schema.VoidIn, parameters=[schema.IDEMPOTENCY_KEY],
+                   responses={200: schema.OperationDone, 202: IN_FLIGHT,
+                              **schema.errors(*POST_CHECKS, "IDEMPOTENCY_KEY_REUSED", "PAYMENT_NOT_FOUND",
+                                              "PAYMENT_NOT_VOIDABLE", *GATEWAY)})
+    def post(self, request, txn_id: str):
+        return render(payments.void_authorization(caller=self.caller(request), txn_id=txn_id, data=request.data,
+                                                  idempotency_key=self.idempotency_key(request)))
+
+
+class CaptureView(AgentView):
+    required_capability = Capability.PAYMENTS_CAPTURE
+
+    @extend_schema(operation_id="capture_payment", summary="Capture up to the confirmed order amount",
+                   request=schema.CaptureIn, parameters=[schema.IDEMPOTENCY_KEY],
+                   responses={200: schema.OperationDone, 202: IN_FLIGHT,
+                              **schema.errors(*POST_CHECKS, "IDEMPOTENCY_KEY_REUSED", "PAYMENT_NOT_FOUND",
+                                              "PAYMENT_NOT_CAPTURABLE", "AMOUNT_EXCEEDS_ORDER", *GATEWAY)})
+    def post(self, request, txn_id: str):
+        return render(payments.capture_payment(caller=self.caller(request), txn_id=txn_id, data=request.data,
+                                               idempotency_key=self.idempotency_key(request)))
+
+
+class PaymentLinkView(AgentView):
+    required_capability = Capability.PAYMENT_LINKS_SEND
+
+    @extend_schema(operation_id="send_payment_link",
+                   summary="Send a payment link from an approved template for an amount owed",
+                   request=schema.PaymentLinkIn, parameters=[schema.IDEMPOTENCY_KEY],
+                   responses={201: schema.PaymentLinkSent, 202: IN_FLIGHT,
+                              **schema.errors(*POST_CHECKS, "IDEMPOTENCY_KEY_REUSED", "PAYMENT_NOT_FOUND",
+                                              "TEMPLATE_NOT_APPROVED", "AMOUNT_NOT_OWED",
+                                              "PAYMENT_LINKS_UNSUPPORTED", *GATEWAY)})
+    def post(self, request):
+        return render(payments.send_payment_link(caller=self.caller(request), data=request.data,
+                                                 idempotency_key=self.idempotency_key(request)))
+
+
+class EvidenceDraftView(AgentView):
+    required_capability = Capability.DISPUTES_DRAFT
+
+    @extend_schema(operation_id="draft_dispute_evidence", summary="Draft dispute evidence for a person to submit",
+                   request=schema.EvidenceDraftIn, parameters=[schema.IDEMPOTENCY_KEY],
+                   responses={201: schema.EvidenceDraftCreated,
+                              **schema.errors(*POST_CHECKS, "IDEMPOTENCY_KEY_REUSED", "DISPUTE_NOT_FOUND",
+                                              "DISPUTE_NOT_OPEN")})
+    def post(self, request, dp_id: str):
+        return render(disputes.draft_dispute_evidence(caller=self.caller(request), dp_id=dp_id, data=request.data,
+                                                      idempotency_key=self.idempotency_key(request)))

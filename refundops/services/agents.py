@@ -1,0 +1,165 @@
+"""Agents, their keys and capabilities, and the switches that stop every agent at once.
+
+Operators call these from the command line, administrators from the admin. Each is one
+transaction that also writes its audit entry; history rows name the acting user. Authentication
+reads the database on every call (``refundops.access``), so each change holds from the next call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from audit.services import record_audit
+from refundops.access import KEY_PREFIX_LENGTH, generate_key
+from refundops.locks import lock_platform
+from refundops.models import Agent, AgentKey, Capability, PlatformState
+
+# A staff user (admin), or a label for who acted elsewhere, such as "cli:alice".
+Actor = AbstractBaseUser | str
+
+# Areas that stay with administrators. No capability reaches them; naming one gets a clear no.
+WITHHELD_AREAS = ("payout", "key", "webhook")
+
+
+class AgentAccessError(Exception):
+    """A request an operator can correct: an unknown agent, key or capability, a duplicate name."""
+
+
+def actor_label(actor: Actor) -> str:
+    return actor if isinstance(actor, str) else f"user:{actor.get_username()}"
+
+
+def _save_with_history(instance: Any, *, actor: Actor, reason: str, **save_kwargs: Any) -> None:
+    if not isinstance(actor, str):
+        instance._history_user = actor  # simple_history records the acting user from this
+    instance._change_reason = f"{reason} by {actor_label(actor)}"
+    instance.save(**save_kwargs)
+
+
+def validate_capabilities(capabilities: Iterable[str]) -> list[str]:
+    """The capabilities in the contract's order, each once; an unknown one is refused by name."""
+    wanted = set()
+    for capability in capabilities:
+        if capability not in Capability.values:
+            withheld = any(area in capability.lower() for area in WITHHELD_AREAS)
+            why = ("payout settings, keys and webhooks stay with administrators; no agent capability "
+                   "reaches them" if withheld else "not a capability")
+            raise AgentAccessError(f"{capability!r}: {why}. Capabilities: {', '.join(Capability.values)}.")
+        wanted.add(capability)
+    return [c for c in Capability.values if c in wanted]
+
+
+def find_agent(agent_name_or_id: str, *, lock: bool = False) -> Agent:
+    agents = Agent.objects.select_for_update() if lock else Agent.objects
+    agent = agents.filter(Q(pk=agent_name_or_id) | Q(name=agent_name_or_id)).first()
+    if agent is None:
+        raise AgentAccessError(f"No agent named {agent_name_or_id!r} (or with that id).")
+    return agent
+
+
+@transaction.atomic
+def create_agent(*, name: str, owner: str = "", capabilities: Iterable[str], actor: Actor,
+                 expires_at: datetime | None = None) -> tuple[Agent, str]:
+    """A new agent and its first key. The raw key is returned once and stored only as a hash."""
+    name = name.strip()
+    if not name or len(name) > 100:
+        raise AgentAccessError("An agent name is 1 to 100 characters.")
+    granted = validate_capabilities(capabilities)
+    if not granted:
+        raise AgentAccessError(f"Grant at least one capability: {', '.join(Capability.values)}.")
+    agent = Agent(name=name, owner=owner, capabilities=granted)
+    try:
+        with transaction.atomic():
+            _save_with_history(agent, actor=actor, reason="agent created")
+    except IntegrityError:
+        raise AgentAccessError(f"An agent named {name!r} already exists.") from None
+    record_audit(actor=actor_label(actor), action="agent.created", subject_type="agent", subject_id=agent.pk,
+                 data={"name": name, "owner": owner, "capabilities": granted})
+    raw = issue_key(agent=agent, expires_at=expires_at, actor=actor)
+    return agent, raw
+
+
+@transaction.atomic
+def issue_key(*, agent: Agent, expires_at: datetime | None = None, actor: Actor) -> str:
+    """A new key for ``agent``; the raw key is returned once."""
+    if expires_at is not None and expires_at <= timezone.now():
+        raise AgentAccessError("A key's expiry must be in the future.")
+    raw, prefix, digest = generate_key()
+    key = AgentKey(agent=agent, prefix=prefix, key_hash=digest, expires_at=expires_at)
+    _save_with_history(key, actor=actor, reason="key issued")
+    record_audit(actor=actor_label(actor), action="key.issued", subject_type="agent_key", subject_id=prefix,
+                 data={"agent_id": agent.pk, "expires_at": expires_at.isoformat() if expires_at else None})
+    return raw
+
+
+@transaction.atomic
+def revoke_key(*, prefix: str, actor: Actor) -> AgentKey:
+    """Revoke the key named by its prefix (a whole pasted key works too). Revoking twice is a no-op."""
+    prefix = prefix.strip()[:KEY_PREFIX_LENGTH]
+    key = AgentKey.objects.select_for_update().select_related("agent").filter(prefix=prefix).first()
+    if key is None or len(prefix) < KEY_PREFIX_LENGTH:
+        raise AgentAccessError(f"No key with prefix {prefix!r}; a prefix is the first {KEY_PREFIX_LENGTH} "
+                               f"characters, such as rk_AbCd1234.")
+    if key.revoked_at is None:
+        key.revoked_at = timezone.now()
+        _save_with_history(key, actor=actor, reason="key revoked")
+        record_audit(actor=actor_label(actor), action="key.revoked", subject_type="agent_key",
+                     subject_id=key.prefix, data={"agent_id": key.agent_id})
+    return key
+
+
+def _set_capability(*, agent_name_or_id: str, capability: str, grant: bool, actor: Actor) -> Agent:
+    validate_capabilities([capability])
+    agent = find_agent(agent_name_or_id, lock=True)  # the row lock keeps concurrent edits of the list
+    held = set(agent.capabilities)
+    if (capability in held) == grant:
+        return agent
+    agent.capabilities = validate_capabilities(held | {capability} if grant else held - {capability})
+    verb = "granted" if grant else "revoked"
+    _save_with_history(agent, actor=actor, reason=f"capability {capability} {verb}")
+    record_audit(actor=actor_label(actor), action=f"capability.{verb}", subject_type="agent",
+                 subject_id=agent.pk, data={"capability": capability, "capabilities": agent.capabilities})
+    return agent
+
+
+@transaction.atomic
+def revoke_capability(*, agent_name_or_id: str, capability: str, actor: Actor) -> Agent:
+    return _set_capability(agent_name_or_id=agent_name_or_id, capability=capability, grant=False, actor=actor)
+
+
+@transaction.atomic
+def grant_capability(*, agent_name_or_id: str, capability: str, actor: Actor) -> Agent:
+    return _set_capability(agent_name_or_id=agent_name_or_id, capability=capability, grant=True, actor=actor)
+
+
+@transaction.atomic
+def set_agents_disabled(*, disabled: bool, actor: Actor) -> PlatformState:
+    """Switch all agent access off (every key answers UNAUTHENTICATED) or back on."""
+    state = lock_platform()
+    if state.agents_disabled != disabled:
+        state.agents_disabled = disabled
+        state.changed_by = actor_label(actor)
+        _save_with_history(state, actor=actor, reason=f"agents {'disabled' if disabled else 'enabled'}")
+        record_audit(actor=actor_label(actor), action=f"agents.{'disabled' if disabled else 'enabled'}",
+                     subject_type="platform", subject_id="1", data={"agents_disabled": disabled})
+    return state
+
+
+@transaction.atomic
+def set_killswitch(*, on: bool, actor: Actor) -> PlatformState:
+    """Pause agent refunds (each is refused with CIRCUIT_OPEN) or resume them."""
+    state = lock_platform()
+    if state.refunds_paused != on:
+        state.refunds_paused = on
+        state.changed_by = actor_label(actor)
+        _save_with_history(state, actor=actor, reason=f"kill switch {'on' if on else 'off'}")
+        record_audit(actor=actor_label(actor), action=f"killswitch.{'on' if on else 'off'}",
+                     subject_type="platform", subject_id="1", data={"refunds_paused": on})
+    return state

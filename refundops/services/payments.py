@@ -1,0 +1,472 @@
+"""Payment operations an agent may make besides refunds: look up, void, capture, send a link.
+
+Each answers like ``request_refund``: an :class:`Answer`, one Verdict for every call (refusals and
+replays too), the idempotency key claimed in the same transaction as the decision. A gateway is
+never called under a row lock: the decision commits first (a ``PaymentOperation`` or a
+``PaymentLink`` that a unique constraint or the owed amount keeps single), then the gateway is
+called, then its answer is recorded in a second short transaction.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+from django.db import transaction
+from django.db.models import Sum
+from django.utils import timezone
+from django.utils.module_loading import import_string
+
+from audit.models import Verdict
+from audit.services import record_audit
+from processors.base import ProcessorDeclined, ProcessorError, ProcessorUnavailable
+from processors.money import Money, format_minor
+from processors.registry import ADAPTERS, UnknownProcessor, get_processor
+from refundops import idempotency
+from refundops.answers import Answer, error_answer
+from refundops.callers import Caller
+from refundops.errors import ApiError
+from refundops.inputs import (
+    AgentContext,
+    ValidationFailed,
+    agent_context,
+    amount,
+    reject_unknown,
+    require_object,
+    text,
+)
+from refundops.locks import lock_payment
+from refundops.models import Payment, PaymentLink, PaymentLinkTemplate, PaymentOperation
+from refundops.selectors import payment_json
+from refundops.services.payouts import payment_ref
+from refundops.services.refunds import verdict_json
+
+VOID = "payment.void"
+CAPTURE = "payment.capture"
+SEND_LINK = "payment_link.send"
+
+T = TypeVar("T")
+# Run after the decision commits (the gateway call); records its answer through ``store``.
+FollowUp = Callable[[Callable[[Answer], None]], Answer]
+
+
+# -- the frame every guarded operation shares (disputes use it too) ---------------------------------
+
+def verdict_base(*, caller: Caller, operation: str, data: Any, idempotency_key: str,
+                 path: Mapping[str, str]) -> dict[str, Any]:
+    return {"operation": operation, "idempotency_key": idempotency_key,
+            "request": {"path": dict(path), "body": data}, **caller.verdict_fields()}
+
+
+def refuse(base: dict[str, Any], code: str, message: str, **extra: Any) -> Answer:
+    """Record the refusal as a denied verdict and answer with the contract's error shape."""
+    fields = {k: v for k, v in extra.items() if k in ("payment_id", "amount_minor", "currency", "checks")}
+    verdict = Verdict.objects.create(**{**base, **fields}, outcome=Verdict.Outcome.DENIED, code=code,
+                                     message=message)
+    return error_answer(code, message, verdict_id=verdict.id,
+                        **{k: v for k, v in extra.items() if k not in fields})
+
+
+def approve(base: dict[str, Any], *, checks: list[dict[str, Any]], **fields: Any) -> Verdict:
+    return Verdict.objects.create(**base, **fields, outcome=Verdict.Outcome.APPROVED, checks=checks)
+
+
+def passed(name: str, **inputs: Any) -> dict[str, Any]:
+    return {"name": name, "result": "pass", "inputs": inputs}
+
+
+def guarded_operation(*, caller: Caller, operation: str, data: Any, idempotency_key: str,
+                      path: Mapping[str, str], parse: Callable[[Any], T],
+                      decide: Callable[[T, dict[str, Any]], tuple[Answer, FollowUp | None]]) -> Answer:
+    """Body, then idempotency (a replay answers here), then ``decide`` under the caller's locks,
+    all in one transaction with the key's claim; then the follow-up, if any, outside it."""
+    base = verdict_base(caller=caller, operation=operation, data=data, idempotency_key=idempotency_key,
+                        path=path)
+    try:
+        ask = parse(data)
+    except ValidationFailed as failed:
+        return refuse(base, "VALIDATION_ERROR", failed.message, field=failed.field)
+    if not idempotency_key or len(idempotency_key) > 255:
+        return refuse(base, "IDEMPOTENCY_KEY_REQUIRED",
+                      "Send an 'Idempotency-Key' header (at most 255 characters, e.g. a UUID) with every "
+                      "POST, and reuse it when you retry the same request.")
+    # The path is part of the request: one key for two payments is two different requests.
+    scope, digest = caller.idempotency_scope, idempotency.request_hash(operation, [dict(path), data])
+    replay = idempotency.find(scope, idempotency_key, digest)
+    if replay is not None:
+        return _replay(base, replay)
+    with transaction.atomic():
+        replay = idempotency.claim(scope, idempotency_key, operation, digest)
+        if replay.record is not None:
+            return _replay(base, replay)
+        answer, follow_up = decide(ask, base)
+        idempotency.store(scope, idempotency_key, answer.status, answer.body)
+    if follow_up is None:
+        return answer
+    return follow_up(lambda final: idempotency.store(scope, idempotency_key, final.status, final.body))
+
+
+def _replay(base: dict[str, Any], replay: idempotency.Replay) -> Answer:
+    if replay.reused:
+        return refuse(base, "IDEMPOTENCY_KEY_REUSED",
+                      "This Idempotency-Key was already used with a different request. Use a new key "
+                      "for a new request, or resend the original request to get its answer.")
+    first = Answer(replay.record.response_status, replay.record.response_body)
+    Verdict.objects.create(**base, deduplicated=True, code=first.code,
+                           outcome=Verdict.Outcome.APPROVED if first.ok else Verdict.Outcome.DENIED,
+                           message="Replay of the first answer to this key")
+    return first.deduplicated()
+
+
+def gateway_failure(exc: ProcessorError | UnknownProcessor) -> tuple[str, str, str]:
+    """(contract code, message, gateway code) for a gateway that said no or did not answer."""
+    if isinstance(exc, ProcessorDeclined):
+        return "GATEWAY_DECLINED", f"The payment gateway declined: {exc.message}", exc.code
+    if isinstance(exc, ProcessorUnavailable):
+        return ("GATEWAY_UNAVAILABLE", "The payment gateway did not answer; nothing changed. Try again "
+                                       "later with a new Idempotency-Key.", exc.code)
+    return "GATEWAY_UNAVAILABLE", f"No gateway is configured for this payment: {exc}", "not_configured"
+
+
+# -- lookups -----------------------------------------------------------------------------------------
+
+def lookup_payment(*, txn_id: str) -> dict[str, Any]:
+    """``GET payments/{txn_id}``: what ``payments.read`` may see."""
+    payment = Payment.objects.filter(pk=txn_id).first()
+    if payment is None:
+        raise ApiError("PAYMENT_NOT_FOUND", f"No payment {txn_id!r}; payment ids start with 'txn_'.")
+    return payment_json(payment)
+
+
+# -- void and capture --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OperationInput:
+    amount_minor: int | None
+    note: str
+    agent: AgentContext
+
+
+def _parse_operation(data: Any, *, with_amount: bool) -> OperationInput:
+    data = require_object({} if data in (None, "") else data)
+    reject_unknown(data, ("amount", "note", "agent") if with_amount else ("note", "agent"))
+    return OperationInput(amount_minor=amount(data, required=True) if with_amount else None,
+                          note=text(data, "note"), agent=agent_context(data))
+
+
+def void_authorization(*, caller: Caller, txn_id: str, data: Any, idempotency_key: str) -> Answer:
+    """``POST payments/{txn_id}/void``: release an authorisation that was never captured."""
+    return guarded_operation(
+        caller=caller, operation=VOID, data=data, idempotency_key=idempotency_key, path={"txn_id": txn_id},
+        parse=lambda d: _parse_operation(d, with_amount=False),
+        decide=lambda ask, base: _decide_operation(caller=caller, txn_id=txn_id, ask=ask, base=base,
+                                                   kind=PaymentOperation.Kind.VOID))
+
+
+def capture_payment(*, caller: Caller, txn_id: str, data: Any, idempotency_key: str) -> Answer:
+    """``POST payments/{txn_id}/capture``: capture ``amount``, at most the confirmed order amount."""
+    return guarded_operation(
+        caller=caller, operation=CAPTURE, data=data, idempotency_key=idempotency_key, path={"txn_id": txn_id},
+        parse=lambda d: _parse_operation(d, with_amount=True),
+        decide=lambda ask, base: _decide_operation(caller=caller, txn_id=txn_id, ask=ask, base=base,
+                                                   kind=PaymentOperation.Kind.CAPTURE))
+
+
+def _decide_operation(*, caller: Caller, txn_id: str, ask: OperationInput, base: dict[str, Any],
+                      kind: str) -> tuple[Answer, FollowUp | None]:
+    payment = lock_payment(txn_id)
+    if payment is None:
+        return refuse(base, "PAYMENT_NOT_FOUND", f"No payment {txn_id!r}; payment ids start with 'txn_'.",
+                      payment_id=txn_id), None
+    base = {**base, "payment_id": payment.pk, "currency": payment.currency}
+    live = PaymentOperation.objects.filter(payment=payment, status__in=(
+        PaymentOperation.Status.PENDING, PaymentOperation.Status.SUCCEEDED)).first()
+    state = {"status": payment.status, "captured": payment.amount_captured_minor,
+             "authorized": payment.amount_authorized_minor}
+    why_not = ("it was voided" if payment.status == Payment.Status.VOIDED else
+               "it is already captured" if payment.status == Payment.Status.CAPTURED
+               or payment.amount_captured_minor else
+               f"a {live.kind} ({live.pk}) is already {live.status}" if live else "")
+    if kind == PaymentOperation.Kind.VOID:
+        if why_not:
+            return refuse(base, "PAYMENT_NOT_VOIDABLE", f"Payment {payment.pk} cannot be voided: {why_not}. "
+                          f"Only an uncaptured authorisation can be voided; a captured payment needs a refund.",
+                          checks=[{**passed("payment_voidable", **state), "result": "fail"}]), None
+        checks = [passed("payment_voidable", **state)]
+        amount_minor = None
+    else:
+        if why_not:
+            return refuse(base, "PAYMENT_NOT_CAPTURABLE", f"Payment {payment.pk} cannot be captured: {why_not}.",
+                          checks=[{**passed("payment_capturable", **state), "result": "fail"}]), None
+        order, authorized = payment.order_amount_minor, payment.amount_authorized_minor
+        ceiling = min(order, authorized) if order is not None else 0
+        amount_check = {"name": "amount_within_order", "result": "pass", "inputs": {"amount": ask.amount_minor},
+                        "limit": ceiling, "observed": ask.amount_minor}
+        if ask.amount_minor > ceiling:
+            cur = payment.currency
+            message = (f"Payment {payment.pk} has no confirmed order amount; a person must capture it."
+                       if order is None else
+                       f"{format_minor(ask.amount_minor, cur)} is more than the confirmed order amount "
+                       f"{format_minor(order, cur)}; capturing more stays with a person."
+                       if ceiling == order else
+                       f"{format_minor(ask.amount_minor, cur)} is more than the "
+                       f"{format_minor(authorized, cur)} authorised.")
+            return refuse(base, "AMOUNT_EXCEEDS_ORDER", message, amount_minor=ask.amount_minor,
+                          checks=[passed("payment_capturable", **state), {**amount_check, "result": "fail"}]), None
+        checks = [passed("payment_capturable", **state), amount_check]
+        amount_minor = ask.amount_minor
+    verdict = approve(base, checks=checks, amount_minor=amount_minor if amount_minor is not None
+                      else payment.amount_authorized_minor)
+    operation = PaymentOperation.objects.create(payment=payment, kind=kind, amount_minor=amount_minor,
+                                                currency=payment.currency, agent=caller.agent, verdict=verdict)
+    record_audit(actor=caller.label, action=f"payment.{kind}_decided", subject_type="payment",
+                 subject_id=payment.pk, data={"verdict_id": verdict.id, "operation_id": operation.pk,
+                                              "amount_minor": amount_minor, "note": ask.note})
+    pending = Answer(202, _operation_body(payment, operation, verdict))
+
+    def follow_up(store: Callable[[Answer], None]) -> Answer:
+        return _call_gateway(caller=caller, operation_id=operation.pk, store=store)
+
+    return pending, follow_up
+
+
+def _operation_body(payment: Payment, operation: PaymentOperation, verdict: Verdict) -> dict[str, Any]:
+    return {"payment": payment_json(payment), "operation": operation_json(operation),
+            "verdict": verdict_json(verdict), "deduplicated": False}
+
+
+def operation_json(operation: PaymentOperation) -> dict[str, Any]:
+    return {"id": operation.pk, "kind": operation.kind, "status": operation.status,
+            "amount": operation.amount_minor, "currency": operation.currency,
+            "gateway_reference": operation.gateway_reference or None,
+            "finished_at": operation.finished_at.isoformat() if operation.finished_at else None}
+
+
+def _call_gateway(*, caller: Caller, operation_id: str, store: Callable[[Answer], None]) -> Answer:
+    operation = PaymentOperation.objects.select_related("payment", "verdict").get(pk=operation_id)
+    payment = operation.payment
+    # Derived from the operation, so a retry of this very call is the same request at the gateway.
+    gateway_key = f"refundops:{operation.pk}"
+    result: Any = None
+    failure: ProcessorError | UnknownProcessor | None = None
+    try:
+        processor = get_processor(payment.processor, payment.processor_account)
+        if operation.kind == PaymentOperation.Kind.VOID:
+            result = processor.void(payment_ref(payment), idempotency_key=gateway_key,
+                                    verdict_id=operation.verdict_id)
+        else:
+            result = processor.capture(payment_ref(payment), Money(operation.amount_minor, operation.currency),
+                                       idempotency_key=gateway_key, verdict_id=operation.verdict_id)
+    except (ProcessorError, UnknownProcessor) as exc:
+        failure = exc
+    with transaction.atomic():
+        payment = lock_payment(payment.pk)
+        operation = PaymentOperation.objects.select_for_update().get(pk=operation_id)
+        now = timezone.now()
+        operation.finished_at = now
+        if failure is None:
+            operation.status = PaymentOperation.Status.SUCCEEDED
+            operation.gateway_reference = result.reference
+            if operation.kind == PaymentOperation.Kind.VOID:
+                payment.status = Payment.Status.VOIDED
+                fields = ["status"]
+            else:
+                payment.status = Payment.Status.CAPTURED
+                payment.amount_captured_minor, payment.captured_at = operation.amount_minor, now
+                fields = ["status", "amount_captured_minor", "captured_at"]
+            payment._change_reason = f"{operation.kind} {operation.pk} (verdict {operation.verdict_id})"
+            payment.save(update_fields=fields)
+            gateway_response = asdict(result)
+        else:
+            code, message, gateway_code = gateway_failure(failure)
+            operation.status = PaymentOperation.Status.FAILED
+            operation.failure_code, operation.failure_message = gateway_code, str(failure)
+            gateway_response = {"error": gateway_code, "message": str(failure)}
+        operation.save()
+        Verdict.objects.filter(pk=operation.verdict_id).update(gateway_response=gateway_response)
+        record_audit(actor=caller.label, action=f"payment.{operation.kind}_{operation.status}",
+                     subject_type="payment", subject_id=payment.pk,
+                     data={"verdict_id": operation.verdict_id, "operation_id": operation.pk,
+                           "gateway": gateway_response})
+        if failure is None:
+            answer = Answer(200, _operation_body(payment, operation, operation.verdict))
+        else:
+            answer = error_answer(code, message, verdict_id=operation.verdict_id, operation_id=operation.pk,
+                                  gateway_code=gateway_code)
+        store(answer)
+    return answer
+
+
+# -- payment links -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LinkInput:
+    transaction_id: str
+    order_reference: str
+    template_id: str
+    amount_minor: int
+    agent: AgentContext
+
+
+LINK_FIELDS = ("transaction_id", "order_reference", "template", "amount", "agent")
+
+
+def _parse_link(data: Any) -> LinkInput:
+    data = require_object(data)
+    reject_unknown(data, LINK_FIELDS)
+    transaction_id = text(data, "transaction_id", max_length=40)
+    order_reference = text(data, "order_reference", max_length=100)
+    if bool(transaction_id) == bool(order_reference):
+        raise ValidationFailed("transaction_id", "send either transaction_id or order_reference, not both")
+    template_id = text(data, "template", required=True, max_length=40)
+    amount_minor = amount(data, required=True)
+    return LinkInput(transaction_id=transaction_id, order_reference=order_reference, template_id=template_id,
+                     amount_minor=amount_minor, agent=agent_context(data))
+
+
+def send_payment_link(*, caller: Caller, data: Any, idempotency_key: str) -> Answer:
+    """``POST payment-links``: a link from an approved template for an amount already owed."""
+    return guarded_operation(caller=caller, operation=SEND_LINK, data=data, idempotency_key=idempotency_key,
+                             path={}, parse=_parse_link,
+                             decide=lambda ask, base: _decide_link(caller=caller, ask=ask, base=base))
+
+
+def _find_payment_for_link(ask: LinkInput) -> Payment | None:
+    if ask.transaction_id:
+        return lock_payment(ask.transaction_id)
+    # An order may have several payments: the one that still has money owed on it.
+    candidate = (Payment.objects.filter(order_reference=ask.order_reference)
+                 .order_by("-amount_owed_minor", "-created_at").values_list("pk", flat=True).first())
+    return lock_payment(candidate) if candidate else None
+
+
+def outstanding_links_minor(payment: Payment) -> int:
+    """Owed money already asked for by links not yet paid: a second link for it could be paid twice."""
+    return PaymentLink.objects.filter(payment=payment, status=PaymentLink.Status.SENT).aggregate(
+        s=Sum("amount_minor", default=0))["s"]
+
+
+def _decide_link(*, caller: Caller, ask: LinkInput, base: dict[str, Any]) -> tuple[Answer, FollowUp | None]:
+    payment = _find_payment_for_link(ask)
+    if payment is None:
+        named = (f"payment {ask.transaction_id!r}" if ask.transaction_id
+                 else f"payment for order {ask.order_reference!r}")
+        return refuse(base, "PAYMENT_NOT_FOUND", f"No {named}.", payment_id=ask.transaction_id), None
+    base = {**base, "payment_id": payment.pk, "currency": payment.currency, "amount_minor": ask.amount_minor}
+    template = PaymentLinkTemplate.objects.filter(pk=ask.template_id).first()
+    template_check = passed("template_approved", template=ask.template_id)
+    if template is None or not template.usable:
+        why = ("does not exist" if template is None else "is not approved" if template.approved_at is None
+               else "is no longer active")
+        return refuse(base, "TEMPLATE_NOT_APPROVED",
+                      f"Template {ask.template_id!r} {why}; only templates a person approved can be sent.",
+                      checks=[{**template_check, "result": "fail"}]), None
+    owed, asked = payment.amount_owed_minor, outstanding_links_minor(payment)
+    available = owed - asked
+    owed_check = {"name": "amount_owed", "result": "pass", "inputs": {"amount": ask.amount_minor, "owed": owed,
+                                                                      "in_open_links": asked},
+                  "limit": available, "observed": ask.amount_minor}
+    if ask.amount_minor > available:
+        cur = payment.currency
+        message = (f"{format_minor(ask.amount_minor, cur)} is not owed on {payment.pk}: "
+                   f"{format_minor(max(available, 0), cur)} is owed and not yet asked for by a link "
+                   f"(owed {format_minor(owed, cur)}). Any other amount stays with a person.")
+        return refuse(base, "AMOUNT_NOT_OWED", message,
+                      checks=[template_check, {**owed_check, "result": "fail"}]), None
+    local = payment.processor == Payment.Processor.SANDBOX
+    if not local and not hasattr(import_string(ADAPTERS[payment.processor]), "create_payment_link"):
+        return refuse(base, "PAYMENT_LINKS_UNSUPPORTED",
+                      f"Payment links are not available for {payment.get_processor_display()} payments yet.",
+                      checks=[template_check, owed_check]), None
+    verdict = approve(base, checks=[template_check, owed_check])
+    link = PaymentLink.objects.create(template=template, payment=payment, order_reference=payment.order_reference,
+                                      amount_minor=ask.amount_minor, currency=payment.currency,
+                                      agent=caller.agent, verdict=verdict)
+    record_audit(actor=caller.label, action="payment_link.decided", subject_type="payment_link",
+                 subject_id=link.pk, data={"verdict_id": verdict.id, "payment_id": payment.pk,
+                                           "amount_minor": link.amount_minor, "template": template.pk})
+    if local:
+        _fill_link(link, url=f"/pay/{link.pk}", processor_link_id="", actor=caller.label)
+        return Answer(201, _link_body(link, verdict)), None
+
+    def follow_up(store: Callable[[Answer], None]) -> Answer:
+        return _create_gateway_link(caller=caller, link_id=link.pk, store=store)
+
+    return Answer(202, _link_body(link, verdict)), follow_up
+
+
+def _fill_link(link: PaymentLink, *, url: str, processor_link_id: str, actor: str) -> None:
+    link.url, link.processor_link_id = url, processor_link_id
+    link.message = string.Template(link.template.message).safe_substitute(
+        amount=format_minor(link.amount_minor, link.currency), url=url,
+        order_reference=link.order_reference or link.payment_id, customer_name=link.payment.customer.name)
+    link.save(update_fields=["url", "processor_link_id", "message"])
+    record_audit(actor=actor, action="payment_link.sent", subject_type="payment_link", subject_id=link.pk,
+                 data={"url": url, "processor_link_id": processor_link_id})
+
+
+def _create_gateway_link(*, caller: Caller, link_id: str, store: Callable[[Answer], None]) -> Answer:
+    link = PaymentLink.objects.select_related("payment", "template", "verdict").get(pk=link_id)
+    payment = link.payment
+    created, failure = None, None
+    try:
+        created = get_processor(payment.processor, payment.processor_account).create_payment_link(
+            amount=Money(link.amount_minor, link.currency),
+            description=f"Order {link.order_reference or payment.pk}",
+            metadata={"payment_link_id": link.pk, "transaction_id": payment.pk, "verdict_id": link.verdict_id},
+            idempotency_key=f"refundops:{link.pk}")
+    except (ProcessorError, UnknownProcessor) as exc:
+        failure = exc
+    with transaction.atomic():
+        link = PaymentLink.objects.select_for_update().select_related("payment__customer", "template").get(pk=link_id)
+        if failure is None:
+            _fill_link(link, url=created.url, processor_link_id=created.id, actor=caller.label)
+            Verdict.objects.filter(pk=link.verdict_id).update(gateway_response={"id": created.id, "url": created.url})
+            answer = Answer(201, _link_body(link, link.verdict))
+        else:
+            code, message, gateway_code = gateway_failure(failure)
+            link.status = PaymentLink.Status.FAILED  # frees the owed amount for another link
+            link._change_reason = f"gateway: {gateway_code}"
+            link.save(update_fields=["status"])
+            Verdict.objects.filter(pk=link.verdict_id).update(
+                gateway_response={"error": gateway_code, "message": str(failure)})
+            record_audit(actor=caller.label, action="payment_link.failed", subject_type="payment_link",
+                         subject_id=link.pk, data={"gateway_code": gateway_code})
+            answer = error_answer(code, message, verdict_id=link.verdict_id, payment_link_id=link.pk,
+                                  gateway_code=gateway_code)
+        store(answer)
+    return answer
+
+
+def payment_link_json(link: PaymentLink) -> dict[str, Any]:
+    return {"id": link.pk, "status": link.status, "url": link.url or None, "amount": link.amount_minor,
+            "currency": link.currency, "transaction_id": link.payment_id,
+            "order_reference": link.order_reference or None, "template": link.template_id,
+            "message": link.message or None, "sent_at": link.sent_at.isoformat(),
+            "paid_at": link.paid_at.isoformat() if link.paid_at else None}
+
+
+def _link_body(link: PaymentLink, verdict: Verdict) -> dict[str, Any]:
+    return {"payment_link": payment_link_json(link), "verdict": verdict_json(verdict), "deduplicated": False}
+
+
+@transaction.atomic
+def mark_payment_link_paid(*, link_id: str, actor: str = "system") -> PaymentLink:
+    """The customer paid through the link: the order owes that much less. Applying twice is a no-op."""
+    payment_id = PaymentLink.objects.values_list("payment_id", flat=True).get(pk=link_id)
+    payment = lock_payment(payment_id)  # payment first, as everywhere (refundops.locks)
+    link = PaymentLink.objects.select_for_update().get(pk=link_id)
+    if link.status == PaymentLink.Status.PAID:
+        return link
+    link.status, link.paid_at = PaymentLink.Status.PAID, timezone.now()
+    link._change_reason = f"paid ({actor})"
+    link.save(update_fields=["status", "paid_at"])
+    payment.amount_owed_minor = max(payment.amount_owed_minor - link.amount_minor, 0)
+    payment._change_reason = f"payment link {link.pk} paid"
+    payment.save(update_fields=["amount_owed_minor"])
+    record_audit(actor=actor, action="payment_link.paid", subject_type="payment_link", subject_id=link.pk,
+                 data={"payment_id": payment.pk, "amount_minor": link.amount_minor,
+                       "amount_owed_minor": payment.amount_owed_minor})
+    return link
