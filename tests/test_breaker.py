@@ -1,0 +1,154 @@
+"""The circuit breaker over agent refund volume: trips, pauses, half-opens, closes. And the manual
+kill switch. Time is passed in (``now``), so nothing here waits."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta, timezone as dt_timezone
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.core import mail
+
+from audit.models import AuditEntry
+from refundops import breaker
+from refundops.callers import Caller
+from refundops.errors import ApiError
+from refundops.models import PlatformState, Refund
+from refundops.services.refunds import request_refund
+from tests.conftest import make_payment, post
+
+T0 = datetime(2026, 3, 2, 12, 0, tzinfo=dt_timezone.utc)
+
+
+@pytest.fixture
+def tuned(settings):
+    settings.BREAKER_WINDOW_MINUTES = 5
+    settings.BREAKER_BASELINE_MINUTES = 60
+    settings.BREAKER_FACTOR = 5
+    settings.BREAKER_MIN_COUNT = 10
+    settings.BREAKER_MIN_VALUE = 1_000  # 1,000.00 USD, 1,000 JPY
+    settings.BREAKER_COOLDOWN_SECONDS = 600
+    settings.BREAKER_HALF_OPEN_PROBES = 3
+    settings.OPERATOR_EMAILS = ["ops@example.com"]
+    return settings
+
+
+def record(n: int, *, at: datetime, amount: int = 100, currency: str = "USD") -> None:
+    for _ in range(n):
+        breaker.record_refund(amount, currency, at)
+
+
+@pytest.mark.django_db
+def test_a_quiet_system_does_not_trip_on_its_first_refunds(tuned):
+    record(10, at=T0)  # at the floor
+    assert breaker.status(now=T0) == "closed"
+
+
+@pytest.mark.django_db
+def test_trips_on_count_above_the_floor_and_alerts_operators(tuned, caplog, django_capture_on_commit_callbacks):
+    with caplog.at_level(logging.ERROR, logger="refundops.breaker"), \
+            django_capture_on_commit_callbacks(execute=True):
+        record(11, at=T0)
+    assert breaker.is_open(now=T0) and breaker.status(now=T0) == "open"
+    assert any("breaker opened" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+    assert [m.to for m in mail.outbox] == [["ops@example.com"]]
+    assert "Agent refunds are paused" in mail.outbox[0].body
+    entry = AuditEntry.objects.get(action="breaker.opened")
+    assert "11 agent refunds in 5 minutes" in entry.data["reason"]
+    record(5, at=T0)  # more refunds while open (e.g. in flight) alert no one again
+    assert AuditEntry.objects.filter(action="breaker.opened").count() == 1
+
+
+@pytest.mark.django_db
+def test_trips_on_value_in_one_currency(tuned):
+    record(2, at=T0, amount=40_000)  # 800.00 USD
+    record(1, at=T0, amount=900, currency="JPY")  # 900 JPY: its own currency, its own floor
+    assert breaker.status(now=T0) == "closed"
+    record(1, at=T0, amount=20_001)  # 1,000.01 USD
+    assert breaker.status(now=T0) == "open"
+    assert "1,000.01 USD" in AuditEntry.objects.get(action="breaker.opened").data["reason"]
+
+
+@pytest.mark.django_db
+def test_the_normal_rate_is_the_trailing_hour_times_the_factor(tuned):
+    start = T0 - timedelta(minutes=65)
+    for minute in range(60):  # a steady 4 a minute: 20 per 5 minutes, so the limit is 100
+        record(4, at=start + timedelta(minutes=minute))
+    now = T0 - timedelta(minutes=1)
+    record(100, at=now)
+    assert breaker.status(now=now) == "closed"
+    record(1, at=now)
+    assert breaker.status(now=now) == "open"
+
+
+@pytest.mark.django_db
+def test_open_pauses_agent_refunds_with_circuit_open_but_not_staff(api, policy, tuned, settings):
+    settings.BREAKER_MIN_COUNT = 2
+    payments = [make_payment() for _ in range(4)]
+    answers = [post(api, "/api/v1/refunds", {"transaction_id": p.pk, "amount": 100, "reason": "duplicate"})
+               for p in payments]
+    assert [a.status_code for a in answers] == [201, 201, 201, 503]  # the third trips it
+    error = answers[3].json()["error"]
+    assert error["code"] == "CIRCUIT_OPEN" and "breaker" in error["message"]
+    assert Refund.objects.get(pk=error["refund_id"]).status == "denied"
+    staff = get_user_model().objects.create_user("finance", is_staff=True)
+    answer = request_refund(caller=Caller.for_user(staff), idempotency_key=uuid.uuid4().hex,
+                            data={"transaction_id": payments[3].pk, "amount": 100, "reason": "duplicate"})
+    assert answer.status == 201
+
+
+@pytest.mark.django_db
+def test_half_opens_after_the_cooldown_and_closes_after_the_probes(tuned):
+    record(11, at=T0)
+    assert breaker.status(now=T0 + timedelta(seconds=599)) == "open"
+    later = T0 + timedelta(seconds=600)
+    assert breaker.status(now=later) == "half_open" and not breaker.is_open(now=later)
+    record(2, at=later)
+    assert breaker.status(now=later) == "half_open"
+    record(1, at=later)  # the third probe
+    assert breaker.status(now=later) == "closed"
+    assert AuditEntry.objects.filter(action="breaker.closed").count() == 1
+
+
+@pytest.mark.django_db
+def test_half_open_opens_again_if_the_volume_is_still_abnormal(tuned, settings):
+    settings.BREAKER_HALF_OPEN_PROBES = 50
+    record(11, at=T0)
+    later = T0 + timedelta(seconds=600)
+    record(11, at=later)
+    assert breaker.status(now=later) == "open"
+    assert breaker.status(now=later + timedelta(seconds=599)) == "open"
+    reopened = AuditEntry.objects.filter(action="breaker.opened").order_by("seq").last()
+    assert reopened.data["reopened"] is True
+
+
+def test_without_redis_the_breaker_fails_closed(settings):
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"
+    with pytest.raises(ApiError) as refused:
+        breaker.is_open(now=T0)
+    assert refused.value.code == "SERVICE_UNAVAILABLE"
+    with pytest.raises(ApiError):
+        breaker.record_refund(100, "USD", T0)
+
+
+@pytest.mark.django_db
+def test_kill_switch_pauses_agent_refunds_at_once_but_not_staff(api, policy):
+    PlatformState.objects.update_or_create(pk=1, defaults={"refunds_paused": True})
+    response = post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 100,
+                                             "reason": "duplicate"})
+    assert response.status_code == 503 and response.json()["error"]["code"] == "CIRCUIT_OPEN"
+    assert "kill switch" in response.json()["error"]["message"]
+    staff = get_user_model().objects.create_user("finance", is_staff=True)
+    answer = request_refund(caller=Caller.for_user(staff), idempotency_key=uuid.uuid4().hex,
+                            data={"transaction_id": make_payment().pk, "amount": 100, "reason": "duplicate"})
+    assert answer.status == 201
+
+
+@pytest.mark.django_db
+def test_kill_switch_answers_after_the_payment_checks(api, policy):
+    PlatformState.objects.update_or_create(pk=1, defaults={"refunds_paused": True})
+    response = post(api, "/api/v1/refunds", {"transaction_id": make_payment(amount=100).pk, "amount": 101,
+                                             "reason": "duplicate"})
+    assert response.json()["error"]["code"] == "AMOUNT_EXCEEDS_REFUNDABLE"
