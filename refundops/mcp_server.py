@@ -51,10 +51,9 @@ from refundops.answers import Answer, error_answer
 from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.inputs import ValidationFailed, reject_unknown, text
-from refundops.models import AgentKey, Capability, Payment
+from refundops.models import AgentKey, Capability
 from refundops.ratelimit import check_rate_limits
-from refundops.selectors import payment_json
-from refundops.services import refunds
+from refundops.services import disputes, payments, refunds
 
 T = TypeVar("T")
 
@@ -132,10 +131,7 @@ def _split(arguments: dict[str, Any], *path: str, key_required: bool = True
 def _lookup_payment(caller: Caller, arguments: dict[str, Any]) -> Answer:
     reject_unknown(arguments, ("transaction_id",))
     txn_id = text(arguments, "transaction_id", required=True, max_length=40)
-    payment = Payment.objects.filter(pk=txn_id).first()
-    if payment is None:
-        raise ApiError("PAYMENT_NOT_FOUND", f"No payment {txn_id!r}; payment ids start with 'txn_'.")
-    return Answer(200, payment_json(payment))
+    return Answer(200, payments.lookup_payment(txn_id=txn_id))
 
 
 def _check_refund_eligibility(caller: Caller, arguments: dict[str, Any]) -> Answer:
@@ -155,29 +151,21 @@ def _get_refund(caller: Caller, arguments: dict[str, Any]) -> Answer:
 
 
 def _void_authorization(caller: Caller, arguments: dict[str, Any]) -> Answer:
-    from refundops.services import payments
-
     (txn_id,), key, body = _split(arguments, "transaction_id")
     return payments.void_authorization(caller=caller, txn_id=txn_id, data=body, idempotency_key=key)
 
 
 def _capture_payment(caller: Caller, arguments: dict[str, Any]) -> Answer:
-    from refundops.services import payments
-
     (txn_id,), key, body = _split(arguments, "transaction_id")
     return payments.capture_payment(caller=caller, txn_id=txn_id, data=body, idempotency_key=key)
 
 
 def _send_payment_link(caller: Caller, arguments: dict[str, Any]) -> Answer:
-    from refundops.services import payments
-
     _, key, body = _split(arguments)
     return payments.send_payment_link(caller=caller, data=body, idempotency_key=key)
 
 
 def _draft_dispute_evidence(caller: Caller, arguments: dict[str, Any]) -> Answer:
-    from refundops.services import disputes
-
     (dp_id,), key, body = _split(arguments, "dispute_id")
     return disputes.draft_dispute_evidence(caller=caller, dp_id=dp_id, data=body, idempotency_key=key)
 

@@ -16,7 +16,18 @@ from mcp_types import CallToolResult
 
 from audit.models import Verdict
 from refundops.mcp_server import TOOLS, build_server, fixed_key
-from refundops.models import AgentKey, Capability, IdempotencyRecord, Refund, RefundState
+from refundops.models import (
+    AgentKey,
+    Capability,
+    Dispute,
+    DisputeEvidenceDraft,
+    IdempotencyRecord,
+    Payment,
+    PaymentLink,
+    PaymentLinkTemplate,
+    Refund,
+    RefundState,
+)
 from tests.conftest import make_agent_key, make_limits, make_payment
 
 pytestmark = pytest.mark.django_db
@@ -263,3 +274,71 @@ def test_an_unknown_tool_is_a_protocol_error(refunder):
             await client.call_tool("refund_to_any_card", {})
         return raised.value
     assert "Unknown tool" in with_client(refunder, scenario).message
+
+
+# -- voids, captures, payment links, dispute evidence ---------------------------------------------
+
+def op_args(**fields: Any) -> dict[str, Any]:
+    return {"idempotency_key": uuid.uuid4().hex, **fields}
+
+
+def test_void_authorization_voids_an_uncaptured_authorisation_and_refuses_a_captured_payment():
+    raw = make_agent_key(Capability.AUTHORIZATIONS_VOID)[1]
+    authorised = make_payment(captured=False)
+    voided = call(raw, "void_authorization", op_args(transaction_id=authorised.pk, note="order cancelled"))
+    assert not voided.is_error, voided.structured_content
+    assert voided.structured_content["operation"]["kind"] == "void"
+    authorised.refresh_from_db()
+    assert authorised.status == Payment.Status.VOIDED
+    error = error_of(call(raw, "void_authorization", op_args(transaction_id=make_payment().pk)))
+    assert error["code"] == "PAYMENT_NOT_VOIDABLE" and Verdict.objects.filter(pk=error["verdict_id"]).exists()
+    assert error_of(call(raw, "void_authorization", op_args(transaction_id="txn_nope")))["code"] == "PAYMENT_NOT_FOUND"
+    assert error_of(call(raw, "void_authorization", op_args()))["code"] == "VALIDATION_ERROR"
+
+
+def test_capture_payment_captures_up_to_the_order_amount_and_no_more():
+    raw = make_agent_key(Capability.PAYMENTS_CAPTURE)[1]
+    payment = make_payment(amount=5_000, captured=False, order_amount_minor=4_000)
+    error = error_of(call(raw, "capture_payment", op_args(transaction_id=payment.pk, amount=4_001)))
+    assert error["code"] == "AMOUNT_EXCEEDS_ORDER"
+    assert error_of(call(raw, "capture_payment", op_args(transaction_id=payment.pk, amount="4000")))["code"] == \
+        "VALIDATION_ERROR"
+    captured = call(raw, "capture_payment", op_args(transaction_id=payment.pk, amount=4_000))
+    assert not captured.is_error, captured.structured_content
+    payment.refresh_from_db()
+    assert payment.amount_captured_minor == 4_000
+    again = call(raw, "capture_payment", op_args(transaction_id=payment.pk, amount=1_000))
+    assert error_of(again)["code"] == "PAYMENT_NOT_CAPTURABLE"
+
+
+def test_send_payment_link_sends_only_an_owed_amount_from_an_approved_template():
+    raw = make_agent_key(Capability.PAYMENT_LINKS_SEND)[1]
+    payment = make_payment(order_reference="ORD-7", amount_owed_minor=2_000)
+    approved = PaymentLinkTemplate.objects.create(name="balance", message="Pay $amount: $url",
+                                                  approved_at=timezone.now())
+    unapproved = PaymentLinkTemplate.objects.create(name="draft", message="Pay $amount: $url")
+    link = {"transaction_id": payment.pk, "amount": 2_000, "template": str(approved.pk)}
+    error = error_of(call(raw, "send_payment_link", op_args(**{**link, "template": str(unapproved.pk)})))
+    assert error["code"] == "TEMPLATE_NOT_APPROVED"
+    error = error_of(call(raw, "send_payment_link", op_args(**{**link, "amount": 2_001})))
+    assert error["code"] == "AMOUNT_NOT_OWED"
+    sent = call(raw, "send_payment_link", op_args(**link))
+    assert not sent.is_error, sent.structured_content
+    assert PaymentLink.objects.get().amount_minor == 2_000
+
+
+def test_draft_dispute_evidence_saves_a_draft_for_a_person_and_refuses_closed_disputes():
+    raw = make_agent_key(Capability.DISPUTES_DRAFT)[1]
+    payment = make_payment()
+    dispute = Dispute.objects.create(payment=payment, amount_minor=10_000, currency="USD")
+    drafted = call(raw, "draft_dispute_evidence", op_args(dispute_id=dispute.pk, summary="Delivered on time.",
+                                                          shipping_documentation="UPS 1Z999, signed"))
+    assert not drafted.is_error, drafted.structured_content
+    draft = DisputeEvidenceDraft.objects.get()
+    assert draft.summary == "Delivered on time." and draft.status == DisputeEvidenceDraft.Status.DRAFT
+    assert error_of(call(raw, "draft_dispute_evidence", op_args(dispute_id=dispute.pk)))["code"] == "VALIDATION_ERROR"
+    missing = call(raw, "draft_dispute_evidence", op_args(dispute_id="dp_nope", summary="x"))
+    assert error_of(missing)["code"] == "DISPUTE_NOT_FOUND"
+    closed = Dispute.objects.create(payment=payment, amount_minor=10_000, currency="USD", status=Dispute.Status.WON)
+    refused = call(raw, "draft_dispute_evidence", op_args(dispute_id=closed.pk, summary="x"))
+    assert error_of(refused)["code"] == "DISPUTE_NOT_OPEN"

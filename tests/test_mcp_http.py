@@ -1,0 +1,143 @@
+"""The MCP server as agents reach it: streamable HTTP at /mcp on the app uvicorn serves, and
+``manage.py mcp`` over stdio. Real servers, real sockets and processes, the test database."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+import uvicorn
+from django.db import connection
+from django.utils import timezone
+from mcp import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+
+from audit.models import Verdict
+from refundops.models import Capability, Refund
+from tests.conftest import make_agent_key, make_payment
+
+ROOT = Path(__file__).resolve().parent.parent
+# The servers run on their own connections: they see only committed rows.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def served(django_db_setup) -> Iterator[str]:
+    """``uvicorn refundops.asgi:application`` in a thread, on a free port of 127.0.0.1."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config("refundops.asgi:application", lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+def database_url() -> str:
+    """The test database, for a server in another process."""
+    database = connection.settings_dict
+    return f"postgres://{database['USER']}@{database['HOST']}:{database['PORT']}/{database['NAME']}"
+
+
+async def over_http(url: str, raw_key: str, payment_id: str) -> dict:
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {raw_key}"}, timeout=30) as http:
+        async with streamable_http_client(f"{url}/mcp", http_client=http) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                tools = await session.list_tools()
+                created = await session.call_tool("create_refund", {
+                    "transaction_id": payment_id, "amount": 1_500, "reason": "product_issue",
+                    "idempotency_key": uuid.uuid4().hex, "agent": {"session_id": "http-1"}})
+                refused = await session.call_tool("create_refund", {
+                    "transaction_id": payment_id, "amount": 4_000, "reason": "product_issue",
+                    "idempotency_key": uuid.uuid4().hex})
+    return {"tools": [tool.name for tool in tools.tools], "created": created, "refused": refused}
+
+
+def test_an_agent_lists_creates_and_is_refused_over_streamable_http(served, policy):
+    raw = make_agent_key(Capability.PAYMENTS_READ, Capability.REFUNDS_CREATE)[1]
+    payment = make_payment(amount=5_000)
+    seen = asyncio.run(over_http(served, raw, payment.pk))
+    assert seen["tools"] == ["lookup_payment", "check_refund_eligibility", "create_refund", "get_refund"]
+    created = seen["created"]
+    assert not created.is_error and created.structured_content["refund"]["status"] == "approved"
+    refund = Refund.objects.get(pk=created.structured_content["refund"]["id"])
+    assert refund.amount_minor == 1_500 and refund.agent_session_id == "http-1"
+    assert Verdict.objects.filter(pk=refund.verdict_id).exists()
+    refused = seen["refused"]
+    assert refused.is_error
+    error = refused.structured_content["error"]
+    assert error["code"] == "AMOUNT_EXCEEDS_REFUNDABLE" and Verdict.objects.filter(pk=error["verdict_id"]).exists()
+
+
+def test_mcp_over_http_without_a_live_key_is_401_in_the_contract_shape(served):
+    key, raw = make_agent_key()
+    key.revoked_at = timezone.now()
+    key.save()
+    initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                  "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                             "clientInfo": {"name": "t", "version": "1"}}}
+    headers = {"Accept": "application/json, text/event-stream"}
+    for authorization in (None, "Bearer rk_unknown", f"Bearer {raw}"):
+        sent = {**headers, "Authorization": authorization} if authorization else headers
+        response = httpx2.post(f"{served}/mcp", json=initialize, headers=sent, timeout=10)
+        assert response.status_code == 401, authorization
+        assert response.json()["error"]["code"] == "UNAUTHENTICATED"
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_mcp_over_http_holds_the_host_header_to_allowed_hosts(served):
+    raw = make_agent_key()[1]
+    response = httpx2.post(f"{served}/mcp", json={}, timeout=10,
+                           headers={"Authorization": f"Bearer {raw}", "Host": "attacker.example"})
+    assert response.status_code == 400 and response.json()["error"]["field"] == "host"
+
+
+def test_the_same_host_and_port_serve_the_rest_api(served):
+    response = httpx2.get(f"{served}/api/v1/schema/?format=json", timeout=10)
+    assert response.status_code == 200 and "/api/v1/refunds" in response.text
+
+
+def test_manage_py_mcp_serves_the_tools_of_its_key_over_stdio(policy):
+    raw = make_agent_key(Capability.AUTHORIZATIONS_VOID, Capability.PAYMENTS_READ)[1]
+    payment = make_payment()
+    env = {**os.environ, "REFUNDOPS_AGENT_KEY": raw, "DATABASE_URL": database_url()}
+    params = StdioServerParameters(command=sys.executable, args=["manage.py", "mcp"], env=env, cwd=str(ROOT))
+
+    async def scenario() -> tuple[list[str], dict]:
+        async with stdio_client(params) as (read, write):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                tools = await session.list_tools()
+                looked_up = await session.call_tool("lookup_payment", {"transaction_id": payment.pk})
+        return [tool.name for tool in tools.tools], looked_up.structured_content
+
+    names, looked_up = asyncio.run(scenario())
+    assert names == ["lookup_payment", "void_authorization"]
+    assert looked_up["id"] == payment.pk and looked_up["amount_captured"] == 10_000
+
+
+def test_manage_py_mcp_refuses_to_start_without_a_live_key():
+    for value in ("", "rk_unknown"):
+        env = {**os.environ, "REFUNDOPS_AGENT_KEY": value, "DATABASE_URL": database_url()}
+        done = subprocess.run([sys.executable, "manage.py", "mcp"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert done.returncode != 0 and "REFUNDOPS_AGENT_KEY" in done.stderr, done.stderr
+        assert done.stdout == ""  # stdout is the protocol channel: nothing else may reach it
