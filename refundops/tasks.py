@@ -12,6 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from processors.base import ProcessorUnavailable
+from refundops import outbound
 from refundops.models import Refund, RefundState
 from refundops.services import payouts
 
@@ -61,13 +62,26 @@ def sync_refund(self, *, refund_id: str) -> str:
 
 
 @shared_task
-def sync_submitted_refunds(*, older_than_seconds: int = 0, limit: int = 500) -> int:
-    """Poll the gateway for refunds that have been submitted for a while (webhooks can be lost)."""
+def poll_refund(*, refund_id: str) -> str:
+    """One look at one refund, no follow-ups: the periodic sweep comes round again by itself."""
+    try:
+        return payouts.sync_refund(refund_id=refund_id).status
+    except ProcessorUnavailable as down:
+        log.warning("refund %s: could not poll the gateway (%s)", refund_id, down.message)
+        return RefundState.SUBMITTED
+
+
+@shared_task
+def sync_submitted_refunds(*, older_than_seconds: int | None = None, limit: int = 500) -> int:
+    """Poll the gateway for refunds submitted longer than ``REFUND_SYNC_AFTER_SECONDS`` ago:
+    their webhook may have been lost. Younger ones still have their own follow-up syncs."""
+    if older_than_seconds is None:
+        older_than_seconds = getattr(settings, "REFUND_SYNC_AFTER_SECONDS", 120)
     cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
     ids = list(Refund.objects.filter(status=RefundState.SUBMITTED, submitted_at__lte=cutoff)
                .order_by("submitted_at").values_list("pk", flat=True)[:limit])
     for refund_id in ids:
-        sync_refund.delay(refund_id=refund_id)
+        poll_refund.delay(refund_id=refund_id)
     return len(ids)
 
 
@@ -81,3 +95,14 @@ def resubmit_stalled_refunds(*, older_than_seconds: int = 300, limit: int = 500)
     for refund_id in ids:
         submit_refund.delay(refund_id=refund_id)
     return len(ids)
+
+
+@shared_task(bind=True, max_retries=None, acks_late=True)
+def deliver_webhook(self, *, delivery_id: str) -> str:
+    """One attempt to POST one event to a merchant; retried with backoff until it lands or
+    ``WEBHOOK_MAX_ATTEMPTS`` is reached (then it stays in the log for a manual redeliver)."""
+    delivery = outbound.attempt_delivery(delivery_id=delivery_id)
+    if delivery.status == delivery.Status.PENDING and delivery.next_attempt_at is not None:
+        countdown = max(0.0, (delivery.next_attempt_at - timezone.now()).total_seconds())
+        raise self.retry(countdown=countdown)
+    return delivery.status

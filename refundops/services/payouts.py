@@ -8,16 +8,22 @@ request and cannot pay twice), then record the answer in a second short transact
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict
+from datetime import datetime
+from typing import Any, TypeVar
 
 from django.db import transaction
+from django.db.models import Count, Min
 from django.utils import timezone
 
 from audit.models import Verdict
 from audit.services import record_audit
+from processors import breaker
 from processors.base import (
     PaymentRef,
     ProcessorDeclined,
+    ProcessorUnavailable,
     RefundRequest,
     RefundResult,
 )
@@ -28,6 +34,32 @@ from refundops.services.refunds import sync_payment_amounts
 
 log = logging.getLogger(__name__)
 WORKER = "system:worker"
+T = TypeVar("T")
+
+
+class CircuitOpen(ProcessorUnavailable):
+    """The gateway's breaker is open: the gateway was not called. Retry after ``retry_after``."""
+
+    def __init__(self, gateway: str, account: str, retry_after: float) -> None:
+        super().__init__(f"{gateway}/{account} is resting after repeated failures; not called",
+                         code="gateway_circuit_open", retry_after=retry_after)
+
+
+def call_gateway(gateway: str, account: str, call: Callable[[], T]) -> T:
+    """Every gateway call from the worker goes through the gateway's breaker."""
+    wait = breaker.wait_seconds(gateway, account)
+    if wait > 0:
+        raise CircuitOpen(gateway, account, wait)
+    try:
+        result = call()
+    except ProcessorUnavailable:
+        breaker.record_unavailable(gateway, account)
+        raise
+    except ProcessorDeclined:
+        breaker.record_success(gateway, account)  # a final answer: the gateway is reachable
+        raise
+    breaker.record_success(gateway, account)
+    return result
 
 
 def gateway_idempotency_key(refund: Refund) -> str:
@@ -51,7 +83,7 @@ def submit_refund(*, refund_id: str) -> Refund:
                             idempotency_key=gateway_idempotency_key(refund), refund_id=refund.pk,
                             verdict_id=refund.verdict_id or "")
     try:
-        result = processor.refund(request)
+        result = call_gateway(processor.name, processor.account, lambda: processor.refund(request))
     except ProcessorDeclined as declined:
         return record_gateway_failure(refund_id=refund.pk, code=declined.code, message=declined.message)
     return record_gateway_result(refund_id=refund.pk, result=result)
@@ -61,6 +93,11 @@ def submit_refund(*, refund_id: str) -> Refund:
 def record_gateway_result(*, refund_id: str, result: RefundResult) -> Refund:
     """Apply what the gateway says of one refund. Idempotent: the same answer twice changes nothing."""
     refund = _lock(refund_id)
+    if refund.processor_refund_id and refund.processor_refund_id != result.processor_refund_id:
+        # News of an earlier attempt (failed, then resubmitted by a person): not this one's.
+        log.info("refund %s: ignoring %s, it is now %s", refund.pk, result.processor_refund_id,
+                 refund.processor_refund_id)
+        return refund
     now = timezone.now()
     before = refund.status
     if refund.status == RefundState.APPROVED and result.status in ("pending", "succeeded"):
@@ -108,7 +145,28 @@ def sync_refund(*, refund_id: str) -> Refund:
     if refund.status not in (RefundState.SUBMITTED, RefundState.SETTLED) or not refund.processor_refund_id:
         return refund
     processor = get_processor(refund.payment.processor, refund.payment.processor_account)
-    return record_gateway_result(refund_id=refund.pk, result=processor.fetch_refund(refund.processor_refund_id))
+    result = call_gateway(processor.name, processor.account,
+                          lambda: processor.fetch_refund(refund.processor_refund_id))
+    return record_gateway_result(refund_id=refund.pk, result=result)
+
+
+def gateway_backlog(*, now: datetime | None = None) -> list[dict[str, Any]]:
+    """Approved refunds not yet accepted by their gateway, per gateway and account: how many, how
+    long the oldest has waited since it was requested, and the gateway's breaker. For operators."""
+    now = now or timezone.now()
+    rows = (Refund.objects.filter(status=RefundState.APPROVED)
+            .values("payment__processor", "payment__processor_account")
+            .annotate(count=Count("id"), oldest=Min("created_at"))
+            .order_by("payment__processor", "payment__processor_account"))
+    backlog = []
+    for row in rows:
+        gateway, account = row["payment__processor"], row["payment__processor_account"]
+        circuit = breaker.describe(gateway, account)
+        backlog.append({"gateway": gateway, "account": account, "count": row["count"],
+                        "oldest_age_seconds": int((now - row["oldest"]).total_seconds()),
+                        "breaker": circuit.phase if circuit else "unknown",
+                        "breaker_retry_in_seconds": int(circuit.retry_in) if circuit else None})
+    return backlog
 
 
 def _lock(refund_id: str) -> Refund:

@@ -1,0 +1,130 @@
+"""Inbound gateway webhooks: verify, record, hand on, answer.
+
+``/webhooks/<gateway>/`` tries each configured account of the gateway (the one whose secret
+verifies the event is the account it is about); ``/webhooks/<gateway>/<account>/`` names it.
+Answers: 400 for an event that does not verify (recorded, nothing else happens); 200 once a
+verified event is applied, or when it was applied before (a duplicate delivery); 503 when the
+gateway could not be asked, to verify (PayPal) or to re-read the object, so the gateway retries.
+
+The view lives with the gateways and knows nothing of refunds: what applying an event means is
+passed in (``apply_event``) where the URLs are wired, in ``refundops.webhook_urls``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.http import HttpRequest, JsonResponse
+from django.utils import timezone
+from django.utils.decorators import method_decorator
+from django.views import View
+from django.views.decorators.csrf import csrf_exempt
+
+from processors.base import InvalidWebhook, ProcessorUnavailable, WebhookEvent
+from processors.models import InboundEvent
+from processors.registry import ADAPTERS, UnknownProcessor, get_processor
+
+log = logging.getLogger(__name__)
+
+ApplyEvent = Callable[..., str]  # (event, *, account) -> what it did, in words
+# Only these headers are kept with an event: signatures and delivery ids, not cookies or tokens.
+KEPT_HEADERS = ("stripe-signature", "sandbox-signature", "paypal-transmission-id", "paypal-transmission-time",
+                "paypal-transmission-sig", "paypal-cert-url", "paypal-auth-algo", "content-type", "user-agent")
+
+
+def _kept(headers: Mapping[str, str]) -> dict[str, str]:
+    return {name.lower(): value for name, value in headers.items() if name.lower() in KEPT_HEADERS}
+
+
+def _claimed(payload: bytes) -> tuple[str, str]:
+    """The id and type an unverified event claims, for the record only; never acted on."""
+    try:
+        body = json.loads(payload)
+        return str(body.get("id") or "")[:255], str(body.get("type") or body.get("event_type") or "")[:100]
+    except (ValueError, AttributeError):
+        return "", ""
+
+
+def record_unverified(*, gateway: str, payload: bytes, headers: Mapping[str, str], error: str) -> InboundEvent:
+    event_id, event_type = _claimed(payload)
+    return InboundEvent.objects.create(processor=gateway, event_id=event_id, type=event_type, verified=False,
+                                       verification_error=error[:2000], headers=_kept(headers),
+                                       payload=payload.decode("utf-8", "replace"))
+
+
+def record_verified(*, event: WebhookEvent, account: str, payload: bytes,
+                    headers: Mapping[str, str]) -> InboundEvent:
+    """The event's one row: created on its first delivery, counted on every later one."""
+    try:
+        with transaction.atomic():
+            return InboundEvent.objects.create(
+                processor=event.processor, account=account, event_id=event.event_id, type=event.type,
+                object_id=event.object_id, verified=True, headers=_kept(headers),
+                payload=payload.decode("utf-8", "replace"))
+    except IntegrityError:
+        InboundEvent.objects.filter(processor=event.processor, event_id=event.event_id, verified=True) \
+            .update(deliveries=F("deliveries") + 1)
+        return InboundEvent.objects.get(processor=event.processor, event_id=event.event_id, verified=True)
+
+
+@method_decorator(csrf_exempt, name="dispatch")  # gateways sign their events; they hold no CSRF token
+class GatewayWebhookView(View):
+    http_method_names = ["post"]
+    gateway: str = ""
+    apply_event: ApplyEvent | None = None
+
+    def post(self, request: HttpRequest, account: str | None = None) -> JsonResponse:
+        gateway = self.gateway
+        accounts = [account] if account else list(settings.PROCESSORS.get(gateway, {}))
+        if gateway not in ADAPTERS or not accounts:
+            return _answer(404, "unknown_gateway", f"no configured gateway {gateway!r}")
+        payload, headers = request.body, dict(request.headers)
+        failures: list[str] = []
+        for candidate in accounts:
+            try:
+                event = get_processor(gateway, candidate).verify_webhook(payload, headers)
+            except UnknownProcessor:
+                return _answer(404, "unknown_account", f"no configured account {candidate!r} for {gateway}")
+            except InvalidWebhook as invalid:
+                failures.append(f"{candidate}: {invalid.code}: {invalid.message}")
+                continue
+            except ProcessorUnavailable as away:
+                log.warning("%s webhook: could not verify (%s); the gateway will retry", gateway, away.message)
+                return _answer(503, away.code, "could not verify the event now; send it again later",
+                               retry_after=away.retry_after)
+            return self._accept(event, account=candidate, payload=payload, headers=headers)
+        inbound = record_unverified(gateway=gateway, payload=payload, headers=headers, error="; ".join(failures))
+        log.warning("%s webhook refused (inbound event %s): %s", gateway, inbound.pk, "; ".join(failures))
+        return _answer(400, "invalid_signature", "the event's signature did not verify")
+
+    def _accept(self, event: WebhookEvent, *, account: str, payload: bytes,
+                headers: Mapping[str, str]) -> JsonResponse:
+        inbound = record_verified(event=event, account=account, payload=payload, headers=headers)
+        if inbound.applied_at is not None:
+            return JsonResponse({"received": True, "event_id": event.event_id, "duplicate": True})
+        assert self.apply_event is not None, "wire apply_event in the URLconf"
+        try:
+            outcome = self.apply_event(event, account=account)
+        except ProcessorUnavailable as away:
+            InboundEvent.objects.filter(pk=inbound.pk).update(error=f"{away.code}: {away.message}"[:2000])
+            return _answer(503, away.code, "could not read the object from the gateway now; send it again later",
+                           retry_after=away.retry_after)
+        except Exception as failure:
+            # Kept on the event for an operator; the gateway's retry may find it applied by then.
+            InboundEvent.objects.filter(pk=inbound.pk).update(error=f"{type(failure).__name__}: {failure}"[:2000])
+            raise
+        InboundEvent.objects.filter(pk=inbound.pk).update(applied_at=timezone.now(), outcome=outcome[:2000],
+                                                          error="")
+        return JsonResponse({"received": True, "event_id": event.event_id, "duplicate": False})
+
+
+def _answer(status: int, code: str, message: str, *, retry_after: float | None = None) -> JsonResponse:
+    response = JsonResponse({"error": {"code": code, "message": message}}, status=status)
+    if retry_after:
+        response["Retry-After"] = str(int(retry_after) or 1)
+    return response

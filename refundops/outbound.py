@@ -1,0 +1,150 @@
+"""Merchant webhooks out: a signed POST to each active endpoint on every refund state change.
+
+The deliveries are written in the same transaction as the change (an outbox), and handed to the
+worker only when it commits, so a rolled-back change is never announced and a committed one
+always is. Each delivery is attempted by ``refundops.tasks.deliver_webhook`` with exponential
+backoff and jitter, logged attempt by attempt, and can be sent again by hand (:func:`redeliver`).
+
+Settings (optional): ``WEBHOOK_MAX_ATTEMPTS`` (10), ``WEBHOOK_BACKOFF_BASE_SECONDS`` (10),
+``WEBHOOK_BACKOFF_MAX_SECONDS`` (21600), ``WEBHOOK_TIMEOUT_SECONDS`` (10).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from datetime import timedelta
+from typing import Any
+
+import requests
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from audit.ids import new_id
+from audit.services import record_audit
+from processors import signing
+from refundops.models import MerchantEndpoint, Refund, WebhookDelivery
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_HEADER = "RefundOps-Signature"
+DEFAULTS: dict[str, float] = {"WEBHOOK_MAX_ATTEMPTS": 10, "WEBHOOK_BACKOFF_BASE_SECONDS": 10,
+                              "WEBHOOK_BACKOFF_MAX_SECONDS": 6 * 3600, "WEBHOOK_TIMEOUT_SECONDS": 10}
+
+
+def _setting(name: str) -> float:
+    return float(getattr(settings, name, DEFAULTS[name]))
+
+
+def announce_refund_changes(refund: Refund, *, created: bool) -> list[WebhookDelivery]:
+    """Called on every save of a refund (``post_save``), inside the writer's transaction: one
+    event per state the refund moved into since it was last saved (its first state when new)."""
+    moves: list[tuple[str | None, str]] = refund.__dict__.pop("_state_moves", [])
+    if created:
+        moves = [(None, refund.status)]
+    deliveries: list[WebhookDelivery] = []
+    for previous, status in moves:
+        deliveries += _queue_event(refund, event_type=f"refund.{status}", status=status, previous=previous)
+    return deliveries
+
+
+def _queue_event(refund: Refund, *, event_type: str, status: str,
+                 previous: str | None) -> list[WebhookDelivery]:
+    endpoints = [e for e in MerchantEndpoint.objects.filter(active=True) if e.wants(event_type)]
+    if not endpoints:
+        return []
+    from refundops.services.refunds import refund_json  # the services import the models module
+
+    now = timezone.now()
+    event_id = new_id("evt")
+    payload = {"id": event_id, "object": "event", "type": event_type, "created": int(now.timestamp()),
+               "data": {"object": {**refund_json(refund), "status": status, "origin": refund.origin,
+                                   "processor_refund_id": refund.processor_refund_id or None,
+                                   "failure_code": refund.failure_code or None},
+                        "previous_status": previous}}
+    deliveries = WebhookDelivery.objects.bulk_create(
+        WebhookDelivery(endpoint=endpoint, event_id=event_id, event_type=event_type, payload=payload,
+                        next_attempt_at=now) for endpoint in endpoints)
+    ids = [delivery.pk for delivery in deliveries]
+    transaction.on_commit(lambda: _enqueue(ids))
+    return deliveries
+
+
+def _enqueue(delivery_ids: list[str]) -> None:
+    from refundops.tasks import deliver_webhook  # the tasks import this module
+
+    for delivery_id in delivery_ids:
+        deliver_webhook.delay(delivery_id=delivery_id)
+
+
+def body_bytes(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+
+
+def backoff_seconds(attempts: int) -> float:
+    """Exponential with full jitter: ``base * 2**(attempts-1)``, capped, between half and all of it."""
+    ceiling = min(_setting("WEBHOOK_BACKOFF_MAX_SECONDS"),
+                  _setting("WEBHOOK_BACKOFF_BASE_SECONDS") * 2 ** max(attempts - 1, 0))
+    return random.uniform(ceiling / 2, ceiling)
+
+
+def attempt_delivery(*, delivery_id: str) -> WebhookDelivery:
+    """POST one pending delivery once and record the answer. No lock is held over the call; the
+    endpoint may see an event twice (its id is the same) and is told so by the id."""
+    delivery = WebhookDelivery.objects.select_related("endpoint").get(pk=delivery_id)
+    if delivery.status != WebhookDelivery.Status.PENDING:
+        return delivery
+    body = body_bytes(delivery.payload)
+    code: int | None = None
+    error = ""
+    try:
+        answer = requests.post(
+            delivery.endpoint.url, data=body, timeout=_setting("WEBHOOK_TIMEOUT_SECONDS"),
+            allow_redirects=False,  # a redirect is not a delivery
+            headers={"Content-Type": "application/json", "User-Agent": "RefundOps-Webhooks/1",
+                     SIGNATURE_HEADER: signing.sign(body, delivery.endpoint.secret)})
+        code = answer.status_code
+        if not 200 <= code < 300:
+            error = f"HTTP {code}: {answer.text[:500]}"
+    except requests.RequestException as exc:
+        error = f"{type(exc).__name__}: {exc}"[:1000]
+    return _record_attempt(delivery.pk, code=code, error=error)
+
+
+@transaction.atomic
+def _record_attempt(delivery_id: str, *, code: int | None, error: str) -> WebhookDelivery:
+    delivery = WebhookDelivery.objects.select_for_update().get(pk=delivery_id)
+    delivery.attempts = F("attempts") + 1
+    delivery.save(update_fields=["attempts"])
+    delivery.refresh_from_db(fields=["attempts"])
+    now = timezone.now()
+    delivery.response_code, delivery.last_error = code, error
+    if not error:
+        delivery.status, delivery.delivered_at, delivery.next_attempt_at = (
+            WebhookDelivery.Status.DELIVERED, now, None)
+    elif delivery.attempts >= _setting("WEBHOOK_MAX_ATTEMPTS"):
+        delivery.status, delivery.next_attempt_at = WebhookDelivery.Status.FAILED, None
+        log.error("webhook %s to %s: giving up after %s attempts (%s)", delivery.pk,
+                  delivery.endpoint_id, delivery.attempts, error)
+    else:
+        delivery.next_attempt_at = now + timedelta(seconds=backoff_seconds(delivery.attempts))
+    delivery.save(update_fields=["status", "delivered_at", "next_attempt_at", "response_code", "last_error"])
+    return delivery
+
+
+@transaction.atomic
+def redeliver(delivery_id: str, *, actor: str = "system:operator") -> WebhookDelivery:
+    """Send a delivery again (failed, or delivered but lost by the merchant): same event, same id."""
+    delivery = WebhookDelivery.objects.select_for_update().get(pk=delivery_id)
+    before = delivery.status
+    delivery.status, delivery.next_attempt_at, delivery.last_error = (
+        WebhookDelivery.Status.PENDING, timezone.now(), "")
+    delivery.save(update_fields=["status", "next_attempt_at", "last_error"])
+    record_audit(actor=actor, action="webhook.redelivered", subject_type="webhook_delivery",
+                 subject_id=delivery.pk, data={"from": before, "event_id": delivery.event_id,
+                                               "endpoint_id": delivery.endpoint_id})
+    transaction.on_commit(lambda: _enqueue([delivery.pk]))
+    return delivery

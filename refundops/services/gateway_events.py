@@ -1,0 +1,259 @@
+"""Applying verified gateway events to our records: refunds (ours and those made on the gateway
+directly) and disputes.
+
+Events arrive late, twice, and out of order, so none is trusted for *where things stand*: each
+handler asks the gateway for the object's current state (``fetch_refund``, Stripe's
+``fetch_dispute``) and moves our records to match it. Applying the same state twice changes
+nothing, which is what makes a duplicate delivery harmless and the order of events irrelevant.
+What an event is *about* (which payment, which of our refunds) is read from its verified body.
+The gateway is asked before any lock is taken; the records change in one short transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone as dt_timezone
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from audit.models import Verdict
+from audit.services import record_audit
+from processors.base import RefundResult, WebhookEvent
+from processors.registry import get_processor
+from processors.stripe import StripeProcessor
+from refundops.locks import lock_payment
+from refundops.models import Dispute, Payment, Reason, Refund, RefundState
+from refundops.services.payouts import record_gateway_result
+from refundops.services.refunds import estimate_arrival, sync_payment_amounts
+
+log = logging.getLogger(__name__)
+ACTOR = "system:gateway"
+
+# Events whose object is a refund (or, for charge.refunded, a charge listing its refunds).
+REFUND_EVENTS: dict[str, frozenset[str]] = {
+    "stripe": frozenset({"charge.refund.updated", "refund.created", "refund.updated", "refund.failed"}),
+    "paypal": frozenset({"PAYMENT.CAPTURE.REFUNDED", "PAYMENT.CAPTURE.REVERSED",
+                         "PAYMENT.REFUND.PENDING", "PAYMENT.REFUND.FAILED", "PAYMENT.REFUND.CANCELLED"}),
+    "sandbox": frozenset({"refund.created", "refund.updated", "refund.succeeded", "refund.failed",
+                          "refund.canceled"}),
+}
+STRIPE_DISPUTE_EVENTS = frozenset({"charge.dispute.created", "charge.dispute.updated", "charge.dispute.closed",
+                                   "charge.dispute.funds_withdrawn", "charge.dispute.funds_reinstated"})
+SANDBOX_DISPUTE_EVENTS = frozenset({"dispute.created", "dispute.updated", "dispute.closed"})
+STRIPE_REASONS = {"duplicate": Reason.DUPLICATE, "fraudulent": Reason.FRAUDULENT,
+                  "requested_by_customer": Reason.CUSTOMER_REQUEST}
+# Stripe's dispute statuses, as our payment's dispute state. An inquiry closed without a
+# chargeback (warning_closed) and a prevented dispute cost nothing: won.
+DISPUTE_STATUSES = {"won": Dispute.Status.WON, "lost": Dispute.Status.LOST,
+                    "warning_closed": Dispute.Status.WON, "prevented": Dispute.Status.WON}
+
+
+@dataclass(frozen=True, slots=True)
+class RefundClues:
+    """What a verified event says a refund is about; its state is asked of the gateway."""
+
+    refund_reference: str
+    payment_references: tuple[str, ...]
+    our_refund_id: str  # from the metadata we sent with it; "" for a refund made elsewhere
+    reason: str
+
+
+def apply_event(event: WebhookEvent, *, account: str) -> str:
+    """Apply one verified event; answer what it did, in words, for the inbound event's record.
+    Raises ProcessorUnavailable when the gateway cannot be asked (the sender should retry)."""
+    if event.type in REFUND_EVENTS.get(event.processor, ()):
+        return apply_refund_news(processor=event.processor, account=account,
+                                 clues=_refund_clues(event.processor, event.data), event=event)
+    if event.processor == "stripe" and event.type == "charge.refunded":
+        listed = (event.data.get("refunds") or {}).get("data") or []
+        if not listed:
+            return "the charge lists no refunds; each refund's own event carries it"
+        return "; ".join(
+            apply_refund_news(processor="stripe", account=account, event=event,
+                              clues=_refund_clues("stripe", {"charge": event.object_id,
+                                                             "payment_intent": event.data.get("payment_intent"),
+                                                             **refund}))
+            for refund in listed)
+    if event.processor == "stripe" and event.type in STRIPE_DISPUTE_EVENTS:
+        processor = get_processor("stripe", account)
+        assert isinstance(processor, StripeProcessor)
+        dispute = processor.fetch_dispute(event.object_id)
+        return apply_dispute_news(
+            processor="stripe", account=account, reference=dispute.id, event=event,
+            payment_references=(dispute.payment_intent, dispute.charge),
+            status=DISPUTE_STATUSES.get(dispute.status, Dispute.Status.OPEN), reason=dispute.reason,
+            amount_minor=dispute.amount.amount_minor, currency=dispute.amount.currency,
+            evidence_due_by=dispute.evidence_due_by)
+    if event.processor == "sandbox" and event.type in SANDBOX_DISPUTE_EVENTS:
+        # The sandbox keeps no disputes of its own to ask: its signed event is the record.
+        data = event.data
+        return apply_dispute_news(
+            processor="sandbox", account=account, reference=event.object_id, event=event,
+            payment_references=(str(data.get("charge") or ""),),
+            status=DISPUTE_STATUSES.get(str(data.get("status")), Dispute.Status.OPEN),
+            reason=str(data.get("reason") or ""), amount_minor=data.get("amount"),
+            currency=str(data.get("currency") or "").upper(), evidence_due_by=data.get("evidence_due_by"))
+    return f"not an event RefundOps acts on ({event.type})"
+
+
+def _refund_clues(processor: str, data: Mapping[str, Any]) -> RefundClues:
+    if processor == "paypal":
+        # Our custom_id is "rf_…|vd_…|reason"; the capture is the refund's "up" link.
+        custom = str(data.get("custom_id") or "").split("|")
+        capture = next((link["href"].rstrip("/").rsplit("/", 1)[-1] for link in data.get("links") or []
+                        if link.get("rel") == "up" and "/captures/" in str(link.get("href"))), "")
+        return RefundClues(refund_reference=str(data["id"]), payment_references=(capture,),
+                           our_refund_id=custom[0] if custom[0].startswith("rf_") else "",
+                           reason=Reason.CUSTOMER_REQUEST)
+    metadata = data.get("metadata") or {}
+    return RefundClues(
+        refund_reference=str(data["id"]),
+        payment_references=tuple(str(ref) for ref in (data.get("payment_intent"), data.get("charge")) if ref),
+        our_refund_id=str(metadata.get("refund_id") or ""),
+        reason=metadata.get("our_reason") or STRIPE_REASONS.get(str(data.get("reason")), Reason.CUSTOMER_REQUEST))
+
+
+def _find_payment(processor: str, account: str, references: tuple[str, ...]) -> Payment | None:
+    references = tuple(ref for ref in references if ref)
+    if not references:
+        return None
+    return Payment.objects.filter(processor=processor, processor_account=account,
+                                  processor_reference__in=references).first()
+
+
+def _our_refund(processor: str, account: str, clues: RefundClues, result: RefundResult) -> Refund | None:
+    gateway_refunds = Refund.objects.filter(payment__processor=processor, payment__processor_account=account)
+    known = gateway_refunds.filter(processor_refund_id=result.processor_refund_id).first()
+    if known is not None:
+        return known
+    if clues.our_refund_id and result.status in ("pending", "succeeded"):
+        # Ours, before the worker recorded the gateway's answer. A failed or canceled refund
+        # named only by metadata may be an earlier attempt of a resubmitted refund: the worker
+        # records its own attempt's answer.
+        return gateway_refunds.filter(pk=clues.our_refund_id, processor_refund_id="").first()
+    return None
+
+
+def apply_refund_news(*, processor: str, account: str, clues: RefundClues, event: WebhookEvent) -> str:
+    result = get_processor(processor, account).fetch_refund(clues.refund_reference)
+    ours = _our_refund(processor, account, clues, result)
+    if ours is not None:
+        before = ours.status
+        after = record_gateway_result(refund_id=ours.pk, result=result).status
+        return f"{ours.pk}: {before} → {after}" if after != before else f"{ours.pk}: already {after}"
+    if result.status not in ("pending", "succeeded"):
+        return f"{result.processor_refund_id} is {result.status} and was never ours: nothing to record"
+    payment = _find_payment(processor, account, clues.payment_references)
+    if payment is None:
+        return f"{result.processor_refund_id}: no payment of ours for {', '.join(clues.payment_references) or '?'}"
+    return record_external_refund(payment_id=payment.pk, result=result, reason=clues.reason, event=event)
+
+
+@transaction.atomic
+def record_external_refund(*, payment_id: str, result: RefundResult, reason: str, event: WebhookEvent) -> str:
+    """A refund made on the gateway directly (its dashboard, another system): record it so every
+    running total and the refundable amount count it. Under the payment lock, once."""
+    payment = lock_payment(payment_id)
+    assert payment is not None
+    existing = Refund.objects.filter(payment=payment, processor_refund_id=result.processor_refund_id).first()
+    if existing is not None:  # a concurrent delivery got here first
+        return f"{existing.pk}: already recorded"
+    now = timezone.now()
+    settled = result.status == "succeeded"
+    message = (f"Refund {result.processor_refund_id} of {result.amount} was made on {payment.processor} "
+               f"directly, not through RefundOps; learned from its event {event.event_id} ({event.type}).")
+    verdict = Verdict.objects.create(
+        operation="refund.external", outcome=Verdict.Outcome.APPROVED, message=message,
+        payment_id=payment.pk, amount_minor=result.amount.amount_minor, currency=result.amount.currency,
+        request={"event_id": event.event_id, "event_type": event.type, "processor": payment.processor},
+        gateway_response={"processor_refund_id": result.processor_refund_id, "status": result.status})
+    refund = Refund(
+        payment=payment, amount_minor=result.amount.amount_minor, currency=result.amount.currency,
+        reason=reason, origin=Refund.Origin.EXTERNAL, verdict=verdict,
+        status=RefundState.SETTLED if settled else RefundState.SUBMITTED,
+        processor_refund_id=result.processor_refund_id, submitted_at=now, settled_at=now if settled else None,
+        estimated_arrival=estimate_arrival(payment, now.date()),
+        note=f"Made on {payment.processor} directly; learned from event {event.event_id}.")
+    refund._change_reason = f"learned from {payment.processor} event {event.event_id}"
+    refund.save()
+    Verdict.objects.filter(pk=verdict.pk).update(refund_id=refund.pk)
+    _cancel_what_no_longer_fits(payment, event=event)
+    sync_payment_amounts(payment)
+    record_audit(actor=ACTOR, action="refund.external_recorded", subject_type="refund", subject_id=refund.pk,
+                 data={"payment_id": payment.pk, "processor_refund_id": result.processor_refund_id,
+                       "amount_minor": refund.amount_minor, "currency": refund.currency,
+                       "status": refund.status, "event_id": event.event_id, "verdict_id": verdict.pk})
+    return f"{refund.pk}: recorded external refund {result.processor_refund_id} ({refund.status})"
+
+
+def _cancel_what_no_longer_fits(payment: Payment, *, event: WebhookEvent) -> None:
+    """The gateway took a refund we did not send, so our refunds not yet at the gateway may no
+    longer fit in what was captured: cancel those (newest first) until the rest fit, as the
+    gateway would refuse them anyway. Refunds already at the gateway fit there by definition."""
+    refunds = list(payment.refunds.select_for_update().filter(
+        status__in=(RefundState.SUBMITTED, RefundState.SETTLED, RefundState.REQUESTED, RefundState.HELD,
+                    RefundState.APPROVED)).order_by("created_at"))
+    excess = sum(r.amount_minor for r in refunds) - payment.amount_captured_minor
+    for waiting in reversed([r for r in refunds if r.status in (RefundState.REQUESTED, RefundState.HELD,
+                                                                 RefundState.APPROVED)]):
+        if excess <= 0:
+            return
+        before = waiting.status
+        waiting.cancel(message="The payment was refunded on the gateway directly; this refund no "
+                               "longer fits in what was captured.")
+        waiting._change_reason = f"made room for an external refund ({event.event_id})"
+        waiting.save()
+        excess -= waiting.amount_minor
+        record_audit(actor=ACTOR, action="refund.canceled", subject_type="refund", subject_id=waiting.pk,
+                     data={"from": before, "why": "external refund on the gateway", "event_id": event.event_id})
+
+
+@transaction.atomic
+def apply_dispute_news(*, processor: str, account: str, reference: str, event: WebhookEvent,
+                       payment_references: tuple[str, ...], status: str, reason: str,
+                       amount_minor: int | None, currency: str, evidence_due_by: int | None) -> str:
+    """A dispute opened, moved or closed: our dispute record and the payment's dispute state
+    follow it. A closed dispute stays closed, so a late "created" cannot reopen it."""
+    found = _find_payment(processor, account, payment_references)
+    if found is None:
+        return f"dispute {reference}: no payment of ours for {', '.join(r for r in payment_references if r) or '?'}"
+    payment = lock_payment(found.pk)
+    assert payment is not None
+    dispute = Dispute.objects.select_for_update().filter(payment=payment, processor_dispute_id=reference).first()
+    opened = dispute is None
+    if dispute is None:
+        dispute = Dispute(payment=payment, processor_dispute_id=reference, status=status, reason=reason[:60],
+                          amount_minor=amount_minor or payment.amount_captured_minor,
+                          currency=currency or payment.currency)
+    elif dispute.status != Dispute.Status.OPEN or dispute.status == status:
+        return f"dispute {dispute.pk}: already {dispute.status}"
+    dispute.status = status
+    if evidence_due_by:
+        dispute.evidence_due_by = datetime.fromtimestamp(int(evidence_due_by), tz=dt_timezone.utc)
+    dispute._change_reason = f"{processor} event {event.event_id}"
+    dispute.save()
+    before = payment.dispute_status
+    payment.dispute_status, payment.dispute_reference = status, reference
+    updated = ["dispute_status", "dispute_reference"]
+    refunded = payment.refunds.filter(Q(status__in=(RefundState.SUBMITTED, RefundState.SETTLED))).exists()
+    if opened and refunded and not payment.paid_twice:
+        # The customer got money back from us and now asks their bank for it too.
+        payment.paid_twice = True
+        updated.append("paid_twice")
+    payment._change_reason = f"dispute {reference}: {status}"
+    payment.save(update_fields=updated)
+    action = "dispute.opened" if status == Dispute.Status.OPEN else f"dispute.{status}"
+    record_audit(actor=ACTOR, action=action, subject_type="payment", subject_id=payment.pk,
+                 data={"dispute_id": dispute.pk, "processor_dispute_id": reference, "from": before,
+                       "to": status, "event_id": event.event_id})
+    if "paid_twice" in updated:
+        record_audit(actor=ACTOR, action="payment.paid_twice", subject_type="payment", subject_id=payment.pk,
+                     data={"dispute_id": dispute.pk, "amount_refunded_minor": payment.amount_refunded_minor,
+                           "amount_reserved_minor": payment.amount_reserved_minor, "event_id": event.event_id})
+        log.error("payment %s: disputed after it was refunded; it may be paid back twice", payment.pk)
+    return f"dispute {dispute.pk}: {before} → {status}"

@@ -1,0 +1,17 @@
+"""Inbound gateway webhooks, mounted at ``webhooks/``: the gateways' view, wired to our services."""
+
+from django.urls import path
+
+from processors.webhooks import GatewayWebhookView
+from refundops.services.gateway_events import apply_event
+
+urlpatterns = [
+    route
+    for gateway in ("stripe", "paypal", "sandbox")
+    for route in (
+        path(f"{gateway}/", GatewayWebhookView.as_view(gateway=gateway, apply_event=apply_event),
+             name=f"webhook-{gateway}"),
+        path(f"{gateway}/<str:account>/", GatewayWebhookView.as_view(gateway=gateway, apply_event=apply_event),
+             name=f"webhook-{gateway}-account"),
+    )
+]

@@ -1,0 +1,389 @@
+"""Inbound gateway webhooks: verified or refused, applied once, in any order, from the gateway's
+own current state (re-read from the fake gateways over real sockets)."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from django.test import Client
+from django.urls import include, path
+
+from audit.models import AuditEntry, Verdict
+from processors import signing
+from processors.base import RefundRequest
+from processors.models import InboundEvent, SandboxControl, SandboxRefund
+from processors.money import Money
+from processors.registry import get_processor
+from refundops.models import Dispute, Payment, Refund, RefundState
+from refundops.services import payouts
+from tests.conftest import make_customer, make_limits, make_payment, post
+from tests.fakes.fixtures import (  # noqa: F401 - fixtures
+    PAYPAL_WEBHOOK_ID,
+    SANDBOX_WEBHOOK_SECRET,
+    gateways,
+    paypal_fake,
+    paypal_payment,
+    post_stripe_event,
+    stripe_event,
+    stripe_fake,
+    stripe_payment,
+)
+from tests.fakes.paypal_server import FakePayPal
+from tests.fakes.stripe_server import FakeStripe
+
+urlpatterns = [path("", include("refundops.urls")), path("webhooks/", include("refundops.webhook_urls"))]
+pytestmark = [pytest.mark.urls(__name__), pytest.mark.django_db]
+S = RefundState
+
+
+@pytest.fixture
+def web() -> Client:
+    return Client(enforce_csrf_checks=True)  # as a gateway posts: no CSRF token
+
+
+def refund_through_stripe(fake: FakeStripe, payment: Payment, amount: int, *, status: str = "pending") -> Refund:
+    """An approved agent refund, paid by the worker's service against the fake Stripe."""
+    refund = Refund.objects.create(payment=payment, amount_minor=amount, currency="USD", reason="duplicate",
+                                   status=S.APPROVED)
+    fake.next_refund_status = status
+    return payouts.submit_refund(refund_id=refund.pk)
+
+
+def refund_object(fake: FakeStripe, refund_id: str) -> dict:
+    return dict(fake.refunds[refund_id])
+
+
+def external_stripe_refund(fake: FakeStripe, payment: Payment, amount: int) -> str:
+    """A refund made in Stripe's dashboard: no metadata of ours, a key we never used."""
+    result = get_processor("stripe").refund(RefundRequest(
+        payment=payouts.payment_ref(payment), amount=Money(amount, "USD"), reason="customer_request",
+        idempotency_key=f"dashboard-{time.time_ns()}", refund_id="", verdict_id=""))
+    fake.refunds[result.processor_refund_id]["metadata"] = {}
+    return result.processor_refund_id
+
+
+# -- verification ---------------------------------------------------------------------------------
+def test_a_forged_event_is_refused_recorded_and_changes_nothing(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake)
+    refund = refund_through_stripe(stripe_fake, payment, 1_000)
+    stripe_fake.set_refund_status(refund.processor_refund_id, "failed")
+    event = stripe_event("charge.refund.updated", refund_object(stripe_fake, refund.processor_refund_id))
+
+    response = post_stripe_event(web, event, secret="whsec_not_the_secret")
+
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_signature"
+    recorded = InboundEvent.objects.get()
+    assert recorded.verified is False and "did not verify" in recorded.verification_error
+    assert json.loads(recorded.payload)["id"] == event["id"] and recorded.applied_at is None
+    refund.refresh_from_db()
+    assert refund.status == S.SUBMITTED
+
+
+def test_a_stale_event_is_refused_even_when_correctly_signed(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake)
+    refund = refund_through_stripe(stripe_fake, payment, 1_000)
+    stripe_fake.set_refund_status(refund.processor_refund_id, "succeeded")
+    event = stripe_event("charge.refund.updated", refund_object(stripe_fake, refund.processor_refund_id))
+
+    response = post_stripe_event(web, event, timestamp=int(time.time()) - 3600)
+
+    assert response.status_code == 400
+    assert InboundEvent.objects.get().verified is False
+    refund.refresh_from_db()
+    assert refund.status == S.SUBMITTED
+
+
+def test_a_forged_event_with_a_real_events_id_does_not_stop_the_real_one(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake)
+    refund = refund_through_stripe(stripe_fake, payment, 1_000)
+    stripe_fake.set_refund_status(refund.processor_refund_id, "succeeded")
+    event = stripe_event("charge.refund.updated", refund_object(stripe_fake, refund.processor_refund_id))
+
+    assert post_stripe_event(web, event, secret="whsec_forger").status_code == 400
+    assert post_stripe_event(web, event).status_code == 200
+
+    refund.refresh_from_db()
+    assert refund.status == S.SETTLED
+    assert InboundEvent.objects.filter(event_id=event["id"]).count() == 2
+
+
+# -- applied once, in any order -------------------------------------------------------------------
+def test_a_replayed_event_is_answered_200_and_applied_once(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake)
+    refund = refund_through_stripe(stripe_fake, payment, 1_000)
+    stripe_fake.set_refund_status(refund.processor_refund_id, "succeeded")
+    event = stripe_event("charge.refund.updated", refund_object(stripe_fake, refund.processor_refund_id))
+
+    first, second = post_stripe_event(web, event), post_stripe_event(web, event)
+
+    assert (first.status_code, second.status_code) == (200, 200)
+    assert (first.json()["duplicate"], second.json()["duplicate"]) == (False, True)
+    recorded = InboundEvent.objects.get()
+    assert recorded.deliveries == 2 and recorded.applied_at is not None and "submitted → settled" in recorded.outcome
+    assert AuditEntry.objects.filter(subject_id=refund.pk, action="refund.settled").count() == 1
+
+
+def test_duplicate_deliveries_of_an_external_refund_record_it_once(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    gateway_refund = external_stripe_refund(stripe_fake, payment, 2_000)
+    refund_event = stripe_event("charge.refund.updated", refund_object(stripe_fake, gateway_refund))
+    charge = dict(stripe_fake.charges[stripe_fake.payment_intents[payment.processor_reference]["latest_charge"]])
+    charge["refunds"] = {"object": "list", "data": [refund_object(stripe_fake, gateway_refund)]}
+    charge_event = stripe_event("charge.refunded", charge)
+
+    for event in (refund_event, charge_event, refund_event, charge_event):
+        assert post_stripe_event(web, event).status_code == 200
+
+    external = Refund.objects.get(payment=payment)
+    assert external.origin == Refund.Origin.EXTERNAL and external.processor_refund_id == gateway_refund
+    assert InboundEvent.objects.get(event_id=charge_event["id"]).outcome.endswith("already settled")
+
+
+def test_a_failure_that_arrives_before_the_success_leaves_the_refund_failed(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund = refund_through_stripe(stripe_fake, payment, 1_500)
+    re_id = refund.processor_refund_id
+    stripe_fake.set_refund_status(re_id, "succeeded")
+    succeeded = stripe_event("charge.refund.updated", refund_object(stripe_fake, re_id))
+    stripe_fake.set_refund_status(re_id, "failed", failure_reason="expired_or_canceled_card")
+    failed = stripe_event("charge.refund.updated", refund_object(stripe_fake, re_id))
+
+    assert post_stripe_event(web, failed).status_code == 200
+    assert post_stripe_event(web, succeeded).status_code == 200  # late, and stale: the gateway says failed
+
+    refund.refresh_from_db()
+    assert refund.status == S.FAILED and refund.failure_code == "expired_or_canceled_card"
+    payment.refresh_from_db()
+    assert (payment.amount_refunded_minor, payment.amount_reserved_minor, payment.refundable_minor) == (0, 0, 5_000)
+
+
+def test_a_refund_failing_after_success_makes_the_amount_refundable_again(web, gateways, stripe_fake, api, policy):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund = refund_through_stripe(stripe_fake, payment, 5_000, status="succeeded")
+    assert refund.status == S.SETTLED
+    payment.refresh_from_db()
+    assert payment.refundable_minor == 0
+    stripe_fake.set_refund_status(refund.processor_refund_id, "failed", failure_reason="lost_or_stolen_card")
+
+    response = post_stripe_event(web, stripe_event("refund.failed",
+                                                   refund_object(stripe_fake, refund.processor_refund_id)))
+
+    assert response.status_code == 200
+    refund.refresh_from_db()
+    assert refund.status == S.FAILED
+    assert [h.status for h in refund.history.order_by("history_date")][-2:] == [S.SETTLED, S.FAILED]
+    payment.refresh_from_db()
+    assert payment.refundable_minor == 5_000
+    assert AuditEntry.objects.filter(subject_id=refund.pk, action="refund.failed").exists()
+    again = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 5_000, "reason": "duplicate"})
+    assert again.status_code == 201
+
+
+def test_a_canceled_refund_is_canceled_and_frees_its_amount(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund = refund_through_stripe(stripe_fake, payment, 2_000)
+    stripe_fake.set_refund_status(refund.processor_refund_id, "canceled")
+
+    post_stripe_event(web, stripe_event("charge.refund.updated", refund_object(stripe_fake, refund.processor_refund_id)))
+
+    refund.refresh_from_db()
+    payment.refresh_from_db()
+    assert refund.status == S.CANCELED and payment.refundable_minor == 5_000
+
+
+def test_news_of_our_refund_before_the_worker_recorded_it_is_not_taken_for_an_external_one(
+        web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund = Refund.objects.create(payment=payment, amount_minor=1_000, currency="USD", reason="duplicate",
+                                   status=S.APPROVED)
+    request = RefundRequest(payment=payouts.payment_ref(payment), amount=refund.money, reason=refund.reason,
+                            idempotency_key=payouts.gateway_idempotency_key(refund), refund_id=refund.pk,
+                            verdict_id="")
+    re_id = get_processor("stripe").refund(request).processor_refund_id  # the worker's call, unrecorded
+
+    post_stripe_event(web, stripe_event("refund.created", refund_object(stripe_fake, re_id)))
+    payouts.submit_refund(refund_id=refund.pk)  # the worker catches up: the same gateway refund
+
+    refund.refresh_from_db()
+    assert refund.status == S.SETTLED and refund.processor_refund_id == re_id
+    assert Refund.objects.filter(payment=payment).count() == 1 and stripe_fake.refund_count == 1
+
+
+# -- refunds made outside RefundOps ---------------------------------------------------------------
+def test_an_external_refund_is_recorded_settled_with_a_verdict_saying_where_it_came_from(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    gateway_refund = external_stripe_refund(stripe_fake, payment, 1_200)
+    event = stripe_event("charge.refund.updated", refund_object(stripe_fake, gateway_refund))
+
+    assert post_stripe_event(web, event).status_code == 200
+
+    refund = Refund.objects.get(payment=payment)
+    assert (refund.origin, refund.status, refund.amount_minor) == (Refund.Origin.EXTERNAL, S.SETTLED, 1_200)
+    verdict = Verdict.objects.get(pk=refund.verdict_id)
+    assert verdict.refund_id == refund.pk and "directly" in verdict.message and event["id"] in verdict.message
+    assert AuditEntry.objects.filter(action="refund.external_recorded", subject_id=refund.pk).exists()
+    payment.refresh_from_db()
+    assert (payment.amount_refunded_minor, payment.refundable_minor) == (1_200, 3_800)
+
+
+def test_an_external_refund_pushes_the_customer_over_the_daily_limit(web, gateways, stripe_fake, api, rules):
+    make_limits(customer_daily_amount_minor=10_000)
+    customer = make_customer()
+    gateway_paid = stripe_payment(stripe_fake, 9_000, customer=customer)
+    agent_paid = stripe_payment(stripe_fake, 5_000, customer=customer)
+    gateway_refund = external_stripe_refund(stripe_fake, gateway_paid, 9_000)
+    post_stripe_event(web, stripe_event("charge.refund.updated", refund_object(stripe_fake, gateway_refund)))
+
+    response = post(api, "/api/v1/refunds", {"transaction_id": agent_paid.pk, "amount": 2_000,
+                                             "reason": "customer_request"})
+
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "DAILY_LIMIT_REACHED"
+
+
+def test_an_external_refund_cancels_our_waiting_refund_that_no_longer_fits(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    waiting = Refund.objects.create(payment=payment, amount_minor=3_000, currency="USD", reason="duplicate",
+                                    status=S.APPROVED)
+    gateway_refund = external_stripe_refund(stripe_fake, payment, 4_000)
+
+    post_stripe_event(web, stripe_event("charge.refund.updated", refund_object(stripe_fake, gateway_refund)))
+
+    waiting.refresh_from_db()
+    payment.refresh_from_db()
+    assert waiting.status == S.CANCELED
+    assert (payment.amount_refunded_minor, payment.amount_reserved_minor) == (4_000, 0)
+
+
+def test_a_paypal_capture_refunded_on_paypal_is_recorded_as_external(web, gateways, paypal_fake: FakePayPal):
+    payment = paypal_payment(paypal_fake, "80.00")
+    result = get_processor("paypal").refund(RefundRequest(
+        payment=payouts.payment_ref(payment), amount=Money(2_500, "USD"), reason="customer_request",
+        idempotency_key="paypal-dashboard-1", refund_id="", verdict_id=""))
+    resource = {**paypal_fake.refunds[result.processor_refund_id]}
+    resource.pop("refunded", None)
+    resource.pop("capture_id", None)
+    event = {"id": "WH-7YX49823S2290830K", "event_version": "1.0", "resource_type": "refund",
+             "event_type": "PAYMENT.CAPTURE.REFUNDED", "summary": "A $25.00 USD capture payment was refunded",
+             "create_time": datetime.now(timezone.utc).isoformat(), "resource": resource}
+    headers = {f"HTTP_{k.upper().replace('-', '_')}": v
+               for k, v in paypal_fake.sign_webhook(event, webhook_id=PAYPAL_WEBHOOK_ID).items()}
+
+    first = web.post("/webhooks/paypal/", data=json.dumps(event), content_type="application/json", **headers)
+    again = web.post("/webhooks/paypal/", data=json.dumps(event), content_type="application/json", **headers)
+
+    assert (first.status_code, again.status_code) == (200, 200) and again.json()["duplicate"] is True
+    refund = Refund.objects.get(payment=payment)
+    assert (refund.origin, refund.status, refund.amount_minor) == (Refund.Origin.EXTERNAL, S.SETTLED, 2_500)
+
+
+def test_a_forged_paypal_event_is_refused_and_paypal_down_asks_for_a_retry(web, gateways, paypal_fake: FakePayPal):
+    payment = paypal_payment(paypal_fake, "80.00")
+    event = {"id": "WH-FORGED", "event_type": "PAYMENT.CAPTURE.REFUNDED",
+             "resource": {"id": "1JU08902781691411", "status": "COMPLETED",
+                          "links": [{"rel": "up", "href": f"{paypal_fake.url}/v2/payments/captures/"
+                                                          f"{payment.processor_reference}"}]}}
+    headers = {f"HTTP_{k.upper().replace('-', '_')}": v
+               for k, v in paypal_fake.sign_webhook(event, webhook_id="WH-SOMEONE-ELSES").items()}
+    body = json.dumps(event)
+
+    refused = web.post("/webhooks/paypal/", data=body, content_type="application/json", **headers)
+    paypal_fake.set_mode("down")
+    unverifiable = web.post("/webhooks/paypal/", data=body, content_type="application/json", **headers)
+
+    assert (refused.status_code, unverifiable.status_code) == (400, 503)
+    assert InboundEvent.objects.get().verified is False
+    assert not Refund.objects.exists()
+
+
+# -- disputes -------------------------------------------------------------------------------------
+def dispute_event(fake: FakeStripe, event_type: str, dispute_id: str) -> dict:
+    return stripe_event(event_type, dict(fake.disputes[dispute_id]))
+
+
+def charge_of(fake: FakeStripe, payment: Payment) -> str:
+    return fake.payment_intents[payment.processor_reference]["latest_charge"]
+
+
+def test_a_dispute_opens_on_the_payment_and_a_later_refund_is_held(web, gateways, stripe_fake, api, policy):
+    payment = stripe_payment(stripe_fake, 5_000)
+    dispute_id = stripe_fake.add_dispute(charge_of(stripe_fake, payment))
+
+    assert post_stripe_event(web, dispute_event(stripe_fake, "charge.dispute.created", dispute_id)).status_code == 200
+
+    payment.refresh_from_db()
+    assert (payment.dispute_status, payment.dispute_reference, payment.paid_twice) == ("open", dispute_id, False)
+    dispute = Dispute.objects.get(payment=payment)
+    assert dispute.status == Dispute.Status.OPEN and dispute.evidence_due_by is not None
+    response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_000,
+                                             "reason": "customer_request"})
+    assert response.status_code == 202 and "PAYMENT_DISPUTED" in response.json()["hold_reasons"]
+
+
+def test_a_dispute_on_a_refunded_payment_marks_it_paid_twice(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund_through_stripe(stripe_fake, payment, 5_000, status="succeeded")
+    dispute_id = stripe_fake.add_dispute(charge_of(stripe_fake, payment))
+
+    post_stripe_event(web, dispute_event(stripe_fake, "charge.dispute.created", dispute_id))
+
+    payment.refresh_from_db()
+    assert payment.paid_twice is True and payment.dispute_status == Payment.Dispute.OPEN
+    assert AuditEntry.objects.filter(action="payment.paid_twice", subject_id=payment.pk).count() == 1
+
+
+@pytest.mark.parametrize(("outcome", "expected"), [("won", "won"), ("lost", "lost")])
+def test_a_closed_dispute_stays_closed_whatever_order_its_events_arrive_in(web, gateways, stripe_fake,
+                                                                           outcome, expected):
+    payment = stripe_payment(stripe_fake, 5_000)
+    dispute_id = stripe_fake.add_dispute(charge_of(stripe_fake, payment))
+    created = dispute_event(stripe_fake, "charge.dispute.created", dispute_id)
+    stripe_fake.disputes[dispute_id]["status"] = outcome
+    closed = dispute_event(stripe_fake, "charge.dispute.closed", dispute_id)
+
+    post_stripe_event(web, closed)
+    post_stripe_event(web, created)
+
+    payment.refresh_from_db()
+    assert payment.dispute_status == expected
+    assert Dispute.objects.get(payment=payment).status == expected
+
+
+# -- the sandbox gateway ----------------------------------------------------------------------------
+def post_sandbox_event(client: Client, event: dict, *, secret: str = SANDBOX_WEBHOOK_SECRET,
+                       timestamp: int | None = None):
+    body = json.dumps(event).encode()
+    return client.post("/webhooks/sandbox/", data=body, content_type="application/json",
+                       HTTP_SANDBOX_SIGNATURE=signing.sign(body, secret, timestamp=timestamp))
+
+
+def test_a_signed_sandbox_event_settles_our_refund_and_a_forged_one_is_refused(web, gateways):
+    SandboxControl.objects.update_or_create(pk=1, defaults={"mode": "up", "settle_delay_seconds": 3600})
+    payment = make_payment(amount=4_000)
+    refund = Refund.objects.create(payment=payment, amount_minor=1_000, currency="USD", reason="duplicate",
+                                   status=S.APPROVED)
+    refund = payouts.submit_refund(refund_id=refund.pk)
+    assert refund.status == S.SUBMITTED
+    SandboxRefund.objects.filter(reference=refund.processor_refund_id).update(
+        settles_at=datetime.now(timezone.utc) - timedelta(seconds=1))
+    event = {"id": "sbevt_1", "type": "refund.updated",
+             "data": {"object": {"id": refund.processor_refund_id, "charge": payment.processor_reference}}}
+
+    assert post_sandbox_event(web, event, secret="wrong").status_code == 400
+    assert post_sandbox_event(web, event, timestamp=int(time.time()) - 3600).status_code == 400
+    refund.refresh_from_db()
+    assert refund.status == S.SUBMITTED
+    assert post_sandbox_event(web, event).status_code == 200
+    refund.refresh_from_db()
+    assert refund.status == S.SETTLED
+    assert InboundEvent.objects.filter(verified=False).count() == 2
+
+
+def test_webhooks_need_no_csrf_token_and_take_only_post(web, gateways):
+    assert web.get("/webhooks/stripe/").status_code == 405
+    assert web.post("/webhooks/stripe/", data=b"{}", content_type="application/json").status_code == 400
+    assert web.post("/webhooks/nowhere/", data=b"{}", content_type="application/json").status_code == 404
