@@ -108,7 +108,7 @@ def http_key(ctx: ServerRequestContext[Any, Any]) -> AgentKey:
 @dataclass(frozen=True)
 class ToolSpec:
     tool: Tool
-    capability: str
+    capability: Capability
     run: Callable[[Caller, dict[str, Any]], Answer]  # sync, in the request's Django thread
     moves_money: bool = True  # a POST in REST: refused, not waved through, while rate limits can't be counted
 
@@ -179,7 +179,7 @@ def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
 
 
 TRANSACTION_ID = _string("The payment's id, starting with 'txn_'.")
-AMOUNT = {"type": "integer", "minimum": 1,
+AMOUNT: dict[str, Any] = {"type": "integer", "minimum": 1,
           "description": "Integer minor units of the payment's currency (1999 is 19.99 USD; 500 is 500 JPY). "
                          "Never a string or a fraction."}
 IDEMPOTENCY_KEY = _string(

@@ -199,38 +199,33 @@ def test_bad_arguments_are_validation_errors_naming_the_field(refunder, policy, 
     assert not Refund.objects.exists() and not IdempotencyRecord.objects.exists()
 
 
-def _refused_by_window():
-    return make_payment(captured_days_ago=200), {}
+def _after_one_refund_under(**limits: int) -> Callable[[str], dict[str, Any]]:
+    """A second refund of the same payment, once ``limits`` allow only one."""
+    def setup(raw: str) -> dict[str, Any]:
+        make_limits(**limits)
+        payment = make_payment()
+        assert not call(raw, "create_refund", refund_args(payment, amount=100)).is_error
+        return refund_args(payment, amount=100)
+    return setup
 
 
-def _refused_by_max_refunds(raw: str):
-    make_limits(max_refunds_per_payment=1)
-    payment = make_payment()
-    call(raw, "create_refund", refund_args(payment, amount=100))
-    return payment, {}
-
-
-def _refused_by_daily_limit(raw: str):
-    make_limits(customer_daily_count=1)
-    payment = make_payment()
-    call(raw, "create_refund", refund_args(payment, amount=100))
-    return payment, {}
+def _reason_the_policy_does_not_allow(raw: str) -> dict[str, Any]:
+    make_limits(allowed_reasons=["duplicate"])
+    return refund_args(make_payment(), reason="customer_request")
 
 
 @pytest.mark.parametrize("code,setup", [
-    ("PAYMENT_NOT_FOUND", lambda raw: (None, {"transaction_id": "txn_does_not_exist"})),
-    ("AMOUNT_EXCEEDS_REFUNDABLE", lambda raw: (make_payment(amount=500), {"amount": 501})),
-    ("DESTINATION_NOT_ALLOWED", lambda raw: (make_payment(), {"destination": "card_other_4444"})),
-    ("REASON_NOT_ALLOWED", lambda raw: (make_limits(allowed_reasons=["duplicate"]) and make_payment(), {})),
-    ("REFUND_WINDOW_EXPIRED", lambda raw: _refused_by_window()),
-    ("MAX_REFUNDS_REACHED", _refused_by_max_refunds),
-    ("PAYMENT_NOT_REFUNDABLE", lambda raw: (make_payment(captured=False), {})),
-    ("DAILY_LIMIT_REACHED", _refused_by_daily_limit),
+    ("PAYMENT_NOT_FOUND", lambda raw: {**refund_args(make_payment()), "transaction_id": "txn_does_not_exist"}),
+    ("PAYMENT_NOT_REFUNDABLE", lambda raw: refund_args(make_payment(captured=False))),
+    ("DESTINATION_NOT_ALLOWED", lambda raw: refund_args(make_payment(), destination="card_other_4444")),
+    ("REASON_NOT_ALLOWED", _reason_the_policy_does_not_allow),
+    ("REFUND_WINDOW_EXPIRED", lambda raw: refund_args(make_payment(captured_days_ago=200))),
+    ("AMOUNT_EXCEEDS_REFUNDABLE", lambda raw: refund_args(make_payment(amount=500), amount=501)),
+    ("MAX_REFUNDS_REACHED", _after_one_refund_under(max_refunds_per_payment=1)),
+    ("DAILY_LIMIT_REACHED", _after_one_refund_under(customer_daily_count=1)),
 ])
 def test_policy_refusals_are_tool_errors_with_the_contract_code_and_a_recorded_verdict(refunder, policy, code, setup):
-    payment, overrides = setup(refunder)
-    arguments = {**(refund_args(payment) if payment else refund_args(make_payment())), **overrides}
-    error = error_of(call(refunder, "create_refund", arguments))
+    error = error_of(call(refunder, "create_refund", setup(refunder)))
     assert error["code"] == code, error
     verdict = Verdict.objects.get(pk=error["verdict_id"])
     assert verdict.code == code and verdict.outcome == Verdict.Outcome.DENIED
