@@ -17,6 +17,7 @@ from mcp_types import CallToolResult
 from audit.models import Verdict
 from refundops.mcp_server import TOOLS, build_server, fixed_key
 from refundops.models import (
+    Agent,
     AgentKey,
     Capability,
     Dispute,
@@ -25,6 +26,7 @@ from refundops.models import (
     Payment,
     PaymentLink,
     PaymentLinkTemplate,
+    PlatformState,
     Refund,
     RefundState,
 )
@@ -126,6 +128,27 @@ def test_a_revoked_key_is_refused_on_its_very_next_call_in_the_same_session(poli
     assert not Refund.objects.exists()
 
 
+def test_a_revoked_capability_leaves_the_list_and_is_refused_on_the_next_call(policy):
+    key, raw = make_agent_key(Capability.PAYMENTS_READ, Capability.REFUNDS_CREATE)
+    payment = make_payment()
+
+    async def scenario(client: Client) -> tuple[list[str], CallToolResult]:
+        await client.list_tools()
+        await sync_to_async(Agent.objects.filter(pk=key.agent_id).update)(capabilities=[Capability.PAYMENTS_READ])
+        names = [tool.name for tool in (await client.list_tools()).tools]
+        return names, await client.call_tool("create_refund", refund_args(payment))
+
+    names, refused = with_client(raw, scenario)
+    assert names == ["lookup_payment"]
+    assert error_of(refused)["code"] == "CAPABILITY_NOT_GRANTED"
+
+
+def test_switching_every_agent_off_refuses_mcp_calls(policy):
+    raw = make_agent_key()[1]
+    PlatformState.objects.update_or_create(pk=1, defaults={"agents_disabled": True})
+    assert error_of(call(raw, "lookup_payment", {"transaction_id": "txn_x"}))["code"] == "UNAUTHENTICATED"
+
+
 def test_an_unknown_key_is_unauthenticated():
     error = error_of(call("rk_not-a-real-key", "lookup_payment", {"transaction_id": "txn_x"}))
     assert error["code"] == "UNAUTHENTICATED" and error["verdict_id"] is None
@@ -214,6 +237,11 @@ def _reason_the_policy_does_not_allow(raw: str) -> dict[str, Any]:
     return refund_args(make_payment(), reason="customer_request")
 
 
+def _with_the_kill_switch_on(raw: str) -> dict[str, Any]:
+    PlatformState.objects.update_or_create(pk=1, defaults={"refunds_paused": True})
+    return refund_args(make_payment())
+
+
 @pytest.mark.parametrize("code,setup", [
     ("PAYMENT_NOT_FOUND", lambda raw: {**refund_args(make_payment()), "transaction_id": "txn_does_not_exist"}),
     ("PAYMENT_NOT_REFUNDABLE", lambda raw: refund_args(make_payment(captured=False))),
@@ -223,6 +251,7 @@ def _reason_the_policy_does_not_allow(raw: str) -> dict[str, Any]:
     ("AMOUNT_EXCEEDS_REFUNDABLE", lambda raw: refund_args(make_payment(amount=500), amount=501)),
     ("MAX_REFUNDS_REACHED", _after_one_refund_under(max_refunds_per_payment=1)),
     ("DAILY_LIMIT_REACHED", _after_one_refund_under(customer_daily_count=1)),
+    ("CIRCUIT_OPEN", _with_the_kill_switch_on),
 ])
 def test_policy_refusals_are_tool_errors_with_the_contract_code_and_a_recorded_verdict(refunder, policy, code, setup):
     error = error_of(call(refunder, "create_refund", setup(refunder)))

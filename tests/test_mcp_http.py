@@ -24,7 +24,7 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from audit.models import Verdict
-from refundops.models import Capability, Refund
+from refundops.models import COUNTING_STATES, Capability, Refund
 from tests.conftest import make_agent_key, make_payment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +85,29 @@ def test_an_agent_lists_creates_and_is_refused_over_streamable_http(served, poli
     assert refused.is_error
     error = refused.structured_content["error"]
     assert error["code"] == "AMOUNT_EXCEEDS_REFUNDABLE" and Verdict.objects.filter(pk=error["verdict_id"]).exists()
+
+
+async def racing_refunds(url: str, raw_key: str, payment_id: str, agents: int) -> list:
+    """``agents`` clients at once, each on its own connection, each asking for 1,000 of the payment."""
+    async def one() -> object:
+        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {raw_key}"}, timeout=60) as http:
+            async with streamable_http_client(f"{url}/mcp", http_client=http) as (read, write):
+                async with ClientSession(read, write) as session:
+                    await session.initialize()
+                    return await session.call_tool("create_refund", {
+                        "transaction_id": payment_id, "amount": 1_000, "reason": "duplicate",
+                        "idempotency_key": uuid.uuid4().hex})
+    return await asyncio.gather(*(one() for _ in range(agents)))
+
+
+def test_racing_agents_over_http_never_refund_more_than_was_captured(served, policy):
+    raw = make_agent_key(Capability.REFUNDS_CREATE)[1]
+    payment = make_payment(amount=5_000)
+    results = asyncio.run(racing_refunds(served, raw, payment.pk, agents=12))
+    refused = [r.structured_content["error"]["code"] for r in results if r.is_error]
+    assert len(refused) == 7 and set(refused) <= {"AMOUNT_EXCEEDS_REFUNDABLE", "PAYMENT_NOT_REFUNDABLE"}
+    live = Refund.objects.filter(payment=payment, status__in=COUNTING_STATES)
+    assert live.count() == 5 and sum(live.values_list("amount_minor", flat=True)) == 5_000
 
 
 def test_mcp_over_http_without_a_live_key_is_401_in_the_contract_shape(served):
