@@ -17,9 +17,10 @@ from rest_framework.test import APIClient
 
 from audit.models import Verdict
 from refundops.access import KEY_PREFIX_LENGTH
+from refundops.callers import Caller
 from refundops.errors import ERROR_STATUS
 from refundops.models import AgentKey, Capability, Dispute, Payment, PaymentLinkTemplate, Refund
-from refundops.services import agents
+from refundops.services import agents, payments
 from tests.conftest import make_agent_key, make_limits, make_payment, post
 
 pytestmark = pytest.mark.django_db
@@ -282,3 +283,23 @@ def test_refund_to_another_destination_is_refused_and_recorded(world, api):
     assert verdict.request["destination"] == "card_4000"
     assert [c["name"] for c in verdict.checks if c["result"] == "fail"] == ["destination"]
     assert Refund.objects.get(pk=response.json()["error"]["refund_id"]).status == "denied"
+
+
+@pytest.mark.parametrize("name", [n for n, e in ENDPOINTS.items() if e.method == "post"])
+def test_nul_characters_are_a_validation_error_not_a_server_error(world, name):
+    _, raw = make_agent_key()
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    endpoint = ENDPOINTS[name]
+    for body in ({**endpoint.body(world), "note\u0000": 1}, {**endpoint.body(world), "agent": {"model": "m\u0000"}}):
+        response = post(client, endpoint.path(world), body)
+        assert response.status_code == 400 and error_code(response) == "VALIDATION_ERROR"
+        assert response.json()["error"]["field"] == "body"
+
+
+def test_nul_characters_reaching_a_service_directly_are_refused_and_recorded(world):
+    key, _ = make_agent_key()
+    answer = payments.void_authorization(caller=Caller.for_key(key), txn_id=world.authorization.pk,
+                                         data={"note": "x\u0000"}, idempotency_key="k")
+    assert answer.status == 400 and answer.code == "VALIDATION_ERROR"
+    assert Verdict.objects.get(pk=answer.body["error"]["verdict_id"]).operation == "payment.void"

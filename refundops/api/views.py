@@ -4,6 +4,8 @@ its answer. The responses documented for each operation are exactly those it can
 from __future__ import annotations
 
 from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework.exceptions import ParseError
+from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -24,11 +26,23 @@ def render(answer: Answer) -> Response:
     return Response(answer.body, status=answer.status, headers=answer.headers)
 
 
+class JSONBodyParser(JSONParser):
+    """JSON whose text PostgreSQL can store: a U+0000 anywhere is a VALIDATION_ERROR, not a 500
+    when the verdict is written."""
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        data = super().parse(stream, media_type, parser_context)
+        if payments.has_nul(data):
+            raise ParseError("text must not contain NUL (\\u0000) characters")
+        return data
+
+
 class AgentView(APIView):
     """Key (authentication), capability (permission), rate limits (throttle), in the contract's order."""
 
     required_capability: str
     throttle_classes = [AgentRateThrottle]
+    parser_classes = [JSONBodyParser]
 
     def caller(self, request) -> Caller:
         return Caller.for_key(request.auth)

@@ -54,6 +54,17 @@ FollowUp = Callable[[Callable[[Answer], None]], Answer]
 
 # -- the frame every guarded operation shares (disputes use it too) ---------------------------------
 
+def has_nul(data: Any) -> bool:
+    """PostgreSQL text and JSON cannot hold U+0000: such a body is refused, never stored."""
+    if isinstance(data, str):
+        return "\x00" in data
+    if isinstance(data, Mapping):
+        return any(has_nul(k) or has_nul(v) for k, v in data.items())
+    if isinstance(data, list):
+        return any(has_nul(v) for v in data)
+    return False
+
+
 def verdict_base(*, caller: Caller, operation: str, data: Any, idempotency_key: str,
                  path: Mapping[str, str]) -> dict[str, Any]:
     return {"operation": operation, "idempotency_key": idempotency_key,
@@ -82,6 +93,10 @@ def guarded_operation(*, caller: Caller, operation: str, data: Any, idempotency_
                       decide: Callable[[T, dict[str, Any]], tuple[Answer, FollowUp | None]]) -> Answer:
     """Body, then idempotency (a replay answers here), then ``decide`` under the caller's locks,
     all in one transaction with the key's claim; then the follow-up, if any, outside it."""
+    if has_nul(data) or has_nul(dict(path)) or has_nul(idempotency_key):
+        message = "body: text must not contain NUL (\\u0000) characters"
+        base = verdict_base(caller=caller, operation=operation, data={}, idempotency_key="", path={})
+        return refuse(base, "VALIDATION_ERROR", message, field="body")
     base = verdict_base(caller=caller, operation=operation, data=data, idempotency_key=idempotency_key,
                         path=path)
     try:
