@@ -1,0 +1,134 @@
+"""The admin in a real headless Chromium: log in as the demo approver, read the dashboard, approve
+a held refund by clicking, and open every admin page. A screenshot of each step is kept in
+artifacts/screenshots/ (gitignored)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import uuid
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from playwright.sync_api import Page, expect, sync_playwright
+
+from refundops.callers import Caller
+from refundops.models import Payment, Refund, RefundState
+from tests.browser import SCREENSHOTS, admin_pages, admin_url, agent_refund, launch, populate
+from tests.conftest import make_agent_key
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture(autouse=True)
+def _orm_beside_playwright(monkeypatch):
+    # Playwright's sync API runs an event loop in this thread; the test's own ORM calls are still
+    # plain synchronous calls, made between browser steps.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+
+@pytest.fixture
+def demo() -> dict:
+    out = io.StringIO()
+    call_command("demo_data", "--json", stdout=out)
+    return json.loads(out.getvalue())
+
+
+@pytest.fixture
+def browser():
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        chromium = launch(playwright)
+        yield chromium
+        chromium.close()
+
+
+def shot(page: Page, name: str) -> None:
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+
+def log_in(browser, base: str, username: str, password: str) -> tuple[Page, list[str]]:
+    page = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
+    broken: list[str] = []
+    page.on("response", lambda r: broken.append(f"{r.status} {r.url}") if r.status >= 500 or (
+        "/static/" in r.url and r.status >= 400) else None)
+    page.goto(f"{base}/admin/login/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("input[type=submit]")
+    expect(page.locator("#user-tools")).to_contain_text(username)
+    return page, broken
+
+
+def test_the_demo_approver_reads_the_dashboard_and_approves_a_held_refund_by_clicking(live_server, demo, browser):
+    login = next(s for s in demo["staff"] if s["role"] == "approver")
+    key, _ = make_agent_key()
+    big = Payment.objects.filter(currency="USD", amount_captured_minor=45_000).get()
+    held = agent_refund(Caller.for_key(key), big, 30_000, key=uuid.uuid4().hex).body
+    assert held["status"] == "held", held
+    refund_id = held["refund"]["id"]
+
+    page, broken = log_in(browser, live_server.url, login["username"], login["password"])
+    expect(page.locator("#finance-links")).to_contain_text("Finance dashboard")
+    # The admin's own stylesheet is served and applied: the header is not unstyled.
+    assert page.evaluate("getComputedStyle(document.querySelector('#header')).backgroundColor") != "rgba(0, 0, 0, 0)"
+    shot(page, "01-approver-index")
+
+    page.click("text=Finance dashboard")
+    expect(page.locator("h1")).to_have_text("Finance dashboard")
+    expect(page.locator("#switches")).to_contain_text("Kill switch")
+    assert page.locator("svg.chart").count() >= 7
+    expect(page.locator("#daily-USD svg title").first).to_contain_text("Refund value per day in USD")
+    expect(page.locator("#held-by-rule")).to_contain_text("APPROVAL_REQUIRED")
+    shot(page, "02-dashboard")
+
+    page.goto(f"{live_server.url}/admin/refundops/refund/held/")
+    row = page.locator(f"tr[data-refund='{refund_id}']")
+    expect(row).to_contain_text("300.00 USD")
+    expect(row).to_contain_text("APPROVAL_REQUIRED")
+    expect(row).to_contain_text("within your authority")
+    shot(page, "03-held-queue")
+
+    row.locator("input[name=note]").fill("order checked, parcel lost")
+    row.get_by_role("button", name=f"Approve {refund_id}").click()
+    expect(page.locator(".messagelist")).to_contain_text(f"Approved 1: {refund_id}")
+    expect(page.locator(f"tr[data-refund='{refund_id}']")).to_have_count(0)
+    shot(page, "04-approved")
+
+    refund = Refund.objects.get(pk=refund_id)
+    assert refund.status in (RefundState.APPROVED, RefundState.SUBMITTED)  # the eager worker may have paid it
+    assert refund.history.filter(history_change_reason="approved by approver: order checked, parcel lost").exists()
+
+    page.goto(live_server.url + admin_url("admin:refundops_refund_change", refund_id))
+    expect(page.locator("table.checks-table").first).to_contain_text("approval_threshold")
+    expect(page.locator("fieldset", has_text="State history")).to_contain_text("approver")
+    shot(page, "05-refund-detail")
+
+    approver = User.objects.get(username=login["username"])
+    for what, url, expected in admin_pages(approver):
+        response = page.goto(live_server.url + url)
+        assert response.status == expected, (what, url, response.status)
+        shot(page, "approver-" + re.sub(r"\W+", "-", what))
+    assert broken == []
+
+
+def test_every_admin_page_renders_in_chromium(live_server, browser):
+    populate()
+    User.objects.create_superuser("root", "root@example.com", "root-pw")
+    page, broken = log_in(browser, live_server.url, "root", "root-pw")
+    pages = admin_pages(User.objects.get(username="root"))
+    for what, url, expected in pages:
+        response = page.goto(live_server.url + url)
+        assert response.status == expected, (what, url, response.status)
+        if expected == 200:
+            expect(page.locator("#content h1, #content h2").first).to_be_visible()
+            assert "Server Error" not in page.content()
+        shot(page, "root-" + re.sub(r"\W+", "-", what))
+    for name, url, heading in [("dashboard", "/admin/refundops/refund/dashboard/", "Finance dashboard"),
+                               ("held-queue", "/admin/refundops/refund/held/", "Held refunds")]:
+        page.goto(live_server.url + url)
+        expect(page.locator("h1")).to_have_text(heading)
+        shot(page, f"root-{name}")
+    assert broken == []
