@@ -394,7 +394,9 @@ class AgentKeyGuard:
             return
         headers = Headers(scope=scope)
         domain, _ = split_domain_port(headers.get("host", ""))
-        if not domain or not validate_host(domain, settings.ALLOWED_HOSTS):
+        # Django's own rule: with DEBUG on and no ALLOWED_HOSTS, localhost is allowed.
+        allowed = settings.ALLOWED_HOSTS or ([".localhost", "127.0.0.1", "[::1]"] if settings.DEBUG else [])
+        if not domain or not validate_host(domain, allowed):
             error = ApiError("VALIDATION_ERROR", "Invalid Host header.", field="host")
             await JSONResponse(error.body(), status_code=400)(scope, receive, send)
             return
