@@ -159,6 +159,12 @@ class ErrorBody(serializers.Serializer):
     field = serializers.CharField(required=False, help_text="VALIDATION_ERROR: the field at fault")
     deduplicated = serializers.BooleanField(required=False, help_text="A replay of the key's first answer")
     retry_after = serializers.IntegerField(required=False, help_text="Seconds, also in Retry-After")
+    scope = serializers.CharField(required=False, help_text="RATE_LIMITED: agent, session or global")
+    capability = serializers.CharField(required=False, help_text="CAPABILITY_NOT_GRANTED: the one needed")
+    refund_id = serializers.CharField(required=False, help_text="A refused refund's id (status denied)")
+    operation_id = serializers.CharField(required=False, help_text="GATEWAY_*: the void or capture (op_…)")
+    payment_link_id = serializers.CharField(required=False, help_text="GATEWAY_*: the link (pl_…)")
+    gateway_code = serializers.CharField(required=False, help_text="GATEWAY_*: the gateway's own code")
 
 
 class ErrorOut(serializers.Serializer):

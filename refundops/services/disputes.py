@@ -15,7 +15,7 @@ from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.inputs import AgentContext, ValidationFailed, agent_context, reject_unknown, require_object, text
 from refundops.models import Dispute, DisputeEvidenceDraft
-from refundops.services.payments import approve, guarded_operation, passed, refuse
+from refundops.services.payments import approve, failed, guarded_operation, passed, refuse
 from refundops.services.refunds import verdict_json
 
 DRAFT = "dispute.draft"
@@ -58,7 +58,7 @@ def _decide(*, caller: Caller, dp_id: str, ask: EvidenceInput, base: dict[str, A
                if dispute.evidence_due_by and dispute.evidence_due_by <= now else "")
     if why_not:
         return refuse(base, "DISPUTE_NOT_OPEN", f"Dispute {dispute.pk} takes no more evidence: {why_not}.",
-                      checks=[{**check, "result": "fail"}])
+                      checks=[failed(check)])
     verdict = approve(base, checks=[check])
     draft = DisputeEvidenceDraft.objects.create(dispute=dispute, drafted_by=caller.agent, verdict=verdict,
                                                 **ask.texts)

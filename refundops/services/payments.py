@@ -189,6 +189,52 @@ def capture_payment(*, caller: Caller, txn_id: str, data: Any, idempotency_key: 
                                                    kind=PaymentOperation.Kind.CAPTURE))
 
 
+class Refused(Exception):
+    """A check failed: the contract code, a message the agent can act on, and the checks so far."""
+
+    def __init__(self, code: str, message: str, *, checks: list[dict[str, Any]], **fields: Any) -> None:
+        super().__init__(message)
+        self.code, self.message, self.checks, self.fields = code, message, checks, fields
+
+
+def failed(check: dict[str, Any]) -> dict[str, Any]:
+    return {**check, "result": "fail"}
+
+
+def _check_void(payment: Payment, ask: OperationInput, *, why_not: str,
+                state: dict[str, Any]) -> list[dict[str, Any]]:
+    check = passed("payment_voidable", **state)
+    if why_not:
+        raise Refused("PAYMENT_NOT_VOIDABLE", f"Payment {payment.pk} cannot be voided: {why_not}. Only an "
+                      f"uncaptured authorisation can be voided; a captured payment needs a refund.",
+                      checks=[failed(check)])
+    return [check]
+
+
+def _check_capture(payment: Payment, ask: OperationInput, *, why_not: str,
+                   state: dict[str, Any]) -> list[dict[str, Any]]:
+    capturable = passed("payment_capturable", **state)
+    if why_not:
+        raise Refused("PAYMENT_NOT_CAPTURABLE", f"Payment {payment.pk} cannot be captured: {why_not}.",
+                      checks=[failed(capturable)])
+    order, authorized, cur = payment.order_amount_minor, payment.amount_authorized_minor, payment.currency
+    ceiling = min(order, authorized) if order is not None else 0
+    within = {"name": "amount_within_order", "result": "pass", "inputs": {"amount": ask.amount_minor},
+              "limit": ceiling, "observed": ask.amount_minor}
+    if ask.amount_minor > ceiling:
+        asked = format_minor(ask.amount_minor, cur)
+        if order is None:
+            message = f"Payment {payment.pk} has no confirmed order amount; a person must capture it."
+        elif ceiling == order:
+            message = (f"{asked} is more than the confirmed order amount {format_minor(order, cur)}; "
+                       f"capturing more stays with a person.")
+        else:
+            message = f"{asked} is more than the {format_minor(authorized, cur)} authorised."
+        raise Refused("AMOUNT_EXCEEDS_ORDER", message, checks=[capturable, failed(within)],
+                      amount_minor=ask.amount_minor)
+    return [capturable, within]
+
+
 def _decide_operation(*, caller: Caller, txn_id: str, ask: OperationInput, base: dict[str, Any],
                       kind: str) -> tuple[Answer, FollowUp | None]:
     payment = lock_payment(txn_id)
@@ -204,34 +250,12 @@ def _decide_operation(*, caller: Caller, txn_id: str, ask: OperationInput, base:
                "it is already captured" if payment.status == Payment.Status.CAPTURED
                or payment.amount_captured_minor else
                f"a {live.kind} ({live.pk}) is already {live.status}" if live else "")
-    if kind == PaymentOperation.Kind.VOID:
-        if why_not:
-            return refuse(base, "PAYMENT_NOT_VOIDABLE", f"Payment {payment.pk} cannot be voided: {why_not}. "
-                          f"Only an uncaptured authorisation can be voided; a captured payment needs a refund.",
-                          checks=[{**passed("payment_voidable", **state), "result": "fail"}]), None
-        checks = [passed("payment_voidable", **state)]
-        amount_minor = None
-    else:
-        if why_not:
-            return refuse(base, "PAYMENT_NOT_CAPTURABLE", f"Payment {payment.pk} cannot be captured: {why_not}.",
-                          checks=[{**passed("payment_capturable", **state), "result": "fail"}]), None
-        order, authorized = payment.order_amount_minor, payment.amount_authorized_minor
-        ceiling = min(order, authorized) if order is not None else 0
-        amount_check = {"name": "amount_within_order", "result": "pass", "inputs": {"amount": ask.amount_minor},
-                        "limit": ceiling, "observed": ask.amount_minor}
-        if ask.amount_minor > ceiling:
-            cur = payment.currency
-            message = (f"Payment {payment.pk} has no confirmed order amount; a person must capture it."
-                       if order is None else
-                       f"{format_minor(ask.amount_minor, cur)} is more than the confirmed order amount "
-                       f"{format_minor(order, cur)}; capturing more stays with a person."
-                       if ceiling == order else
-                       f"{format_minor(ask.amount_minor, cur)} is more than the "
-                       f"{format_minor(authorized, cur)} authorised.")
-            return refuse(base, "AMOUNT_EXCEEDS_ORDER", message, amount_minor=ask.amount_minor,
-                          checks=[passed("payment_capturable", **state), {**amount_check, "result": "fail"}]), None
-        checks = [passed("payment_capturable", **state), amount_check]
-        amount_minor = ask.amount_minor
+    check = _check_void if kind == PaymentOperation.Kind.VOID else _check_capture
+    try:
+        checks = check(payment, ask, why_not=why_not, state=state)
+    except Refused as refused:
+        return refuse(base, refused.code, refused.message, checks=refused.checks, **refused.fields), None
+    amount_minor = ask.amount_minor  # None for a void: it releases the whole authorisation
     verdict = approve(base, checks=checks, amount_minor=amount_minor if amount_minor is not None
                       else payment.amount_authorized_minor)
     operation = PaymentOperation.objects.create(payment=payment, kind=kind, amount_minor=amount_minor,
@@ -377,7 +401,7 @@ def _decide_link(*, caller: Caller, ask: LinkInput, base: dict[str, Any]) -> tup
                else "is no longer active")
         return refuse(base, "TEMPLATE_NOT_APPROVED",
                       f"Template {ask.template_id!r} {why}; only templates a person approved can be sent.",
-                      checks=[{**template_check, "result": "fail"}]), None
+                      checks=[failed(template_check)]), None
     owed, asked = payment.amount_owed_minor, outstanding_links_minor(payment)
     available = owed - asked
     owed_check = {"name": "amount_owed", "result": "pass", "inputs": {"amount": ask.amount_minor, "owed": owed,
@@ -389,7 +413,7 @@ def _decide_link(*, caller: Caller, ask: LinkInput, base: dict[str, Any]) -> tup
                    f"{format_minor(max(available, 0), cur)} is owed and not yet asked for by a link "
                    f"(owed {format_minor(owed, cur)}). Any other amount stays with a person.")
         return refuse(base, "AMOUNT_NOT_OWED", message,
-                      checks=[template_check, {**owed_check, "result": "fail"}]), None
+                      checks=[template_check, failed(owed_check)]), None
     local = payment.processor == Payment.Processor.SANDBOX
     if not local and not hasattr(import_string(ADAPTERS[payment.processor]), "create_payment_link"):
         return refuse(base, "PAYMENT_LINKS_UNSUPPORTED",
