@@ -25,7 +25,7 @@ from django.utils.decorators import method_decorator
 from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 
-from processors.base import InvalidWebhook, ProcessorUnavailable, WebhookEvent
+from processors.base import InvalidWebhook, ProcessorDeclined, ProcessorUnavailable, WebhookEvent
 from processors.models import InboundEvent
 from processors.registry import ADAPTERS, UnknownProcessor, get_processor
 
@@ -106,7 +106,7 @@ class GatewayWebhookView(View):
                 headers: Mapping[str, str]) -> JsonResponse:
         inbound = record_verified(event=event, account=account, payload=payload, headers=headers)
         if inbound.applied_at is not None:
-            return JsonResponse({"received": True, "event_id": event.event_id, "duplicate": True})
+            return JsonResponse({"received": True, "event_id": event.event_id, "duplicate": True, "applied": True})
         assert self.apply_event is not None, "wire apply_event in the URLconf"
         try:
             outcome = self.apply_event(event, account=account)
@@ -114,13 +114,20 @@ class GatewayWebhookView(View):
             InboundEvent.objects.filter(pk=inbound.pk).update(error=f"{away.code}: {away.message}"[:2000])
             return _answer(503, away.code, "could not read the object from the gateway now; send it again later",
                            retry_after=away.retry_after)
+        except ProcessorDeclined as refused:
+            # The gateway will not show the object (deleted, another account's): retrying cannot
+            # help, so the event is acknowledged and left unapplied, with why, for an operator.
+            InboundEvent.objects.filter(pk=inbound.pk).update(error=f"{refused.code}: {refused.message}"[:2000])
+            log.error("%s event %s not applied: %s", event.processor, event.event_id, refused.message)
+            return JsonResponse({"received": True, "event_id": event.event_id, "duplicate": False,
+                                 "applied": False})
         except Exception as failure:
             # Kept on the event for an operator; the gateway's retry may find it applied by then.
             InboundEvent.objects.filter(pk=inbound.pk).update(error=f"{type(failure).__name__}: {failure}"[:2000])
             raise
         InboundEvent.objects.filter(pk=inbound.pk).update(applied_at=timezone.now(), outcome=outcome[:2000],
                                                           error="")
-        return JsonResponse({"received": True, "event_id": event.event_id, "duplicate": False})
+        return JsonResponse({"received": True, "event_id": event.event_id, "duplicate": False, "applied": True})
 
 
 def _answer(status: int, code: str, message: str, *, retry_after: float | None = None) -> JsonResponse:

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from processors.base import ProcessorUnavailable
+from processors.base import ProcessorDeclined, ProcessorUnavailable
 from refundops import outbound
 from refundops.models import Refund, RefundState
 from refundops.services import payouts
@@ -68,7 +68,9 @@ def poll_refund(*, refund_id: str) -> str:
         return payouts.sync_refund(refund_id=refund_id).status
     except ProcessorUnavailable as down:
         log.warning("refund %s: could not poll the gateway (%s)", refund_id, down.message)
-        return RefundState.SUBMITTED
+    except ProcessorDeclined as refused:  # e.g. the gateway does not know the refund: for a person
+        log.error("refund %s: the gateway refused to say where it stands (%s)", refund_id, refused.message)
+    return RefundState.SUBMITTED
 
 
 @shared_task

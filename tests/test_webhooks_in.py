@@ -387,3 +387,55 @@ def test_webhooks_need_no_csrf_token_and_take_only_post(web, gateways):
     assert web.get("/webhooks/stripe/").status_code == 405
     assert web.post("/webhooks/stripe/", data=b"{}", content_type="application/json").status_code == 400
     assert web.post("/webhooks/nowhere/", data=b"{}", content_type="application/json").status_code == 404
+
+
+def test_an_event_whose_object_the_gateway_cannot_show_is_acknowledged_and_kept_unapplied(web, gateways,
+                                                                                         stripe_fake):
+    event = stripe_event("charge.refund.updated", {"id": "re_not_on_stripe", "object": "refund",
+                                                   "status": "succeeded", "amount": 100})
+
+    response = post_stripe_event(web, event)
+
+    assert response.status_code == 200 and response.json()["applied"] is False
+    recorded = InboundEvent.objects.get()
+    assert recorded.applied_at is None and "resource_missing" in recorded.error
+    assert not Refund.objects.exists()
+
+
+def test_gateway_down_while_re_reading_asks_for_the_event_again_and_the_retry_applies_it(web, gateways,
+                                                                                        stripe_fake):
+    payment = stripe_payment(stripe_fake)
+    refund = refund_through_stripe(stripe_fake, payment, 1_000)
+    stripe_fake.set_refund_status(refund.processor_refund_id, "succeeded")
+    event = stripe_event("charge.refund.updated", refund_object(stripe_fake, refund.processor_refund_id))
+    stripe_fake.set_mode("rate_limited", retry_after=3)
+
+    busy = post_stripe_event(web, event)
+    stripe_fake.set_mode("up")
+    retried = post_stripe_event(web, event)
+
+    assert (busy.status_code, busy["Retry-After"]) == (503, "3")
+    assert retried.status_code == 200 and retried.json()["duplicate"] is False
+    refund.refresh_from_db()
+    assert refund.status == S.SETTLED
+    recorded = InboundEvent.objects.get()
+    assert (recorded.deliveries, recorded.error) == (2, "") and recorded.applied_at is not None
+
+
+def test_a_sandbox_dispute_opens_and_closes_on_the_payment(web, gateways):
+    payment = make_payment(amount=4_000)
+    opened = {"id": "sbevt_d1", "type": "dispute.created",
+              "data": {"object": {"id": "sbdp_1", "charge": payment.processor_reference, "status": "needs_response",
+                                  "amount": 4_000, "currency": "usd", "reason": "fraudulent"}}}
+    closed = {"id": "sbevt_d2", "type": "dispute.closed",
+              "data": {"object": {**opened["data"]["object"], "status": "lost"}}}
+
+    post_sandbox_event(web, opened)
+    payment.refresh_from_db()
+    assert payment.dispute_status == Payment.Dispute.OPEN
+    post_sandbox_event(web, closed)
+
+    payment.refresh_from_db()
+    assert payment.dispute_status == Payment.Dispute.LOST
+    assert [e.action for e in AuditEntry.objects.filter(subject_id=payment.pk).order_by("seq")] == [
+        "dispute.opened", "dispute.lost"]

@@ -18,7 +18,6 @@ from datetime import datetime, timezone as dt_timezone
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from audit.models import Verdict
@@ -96,7 +95,7 @@ def apply_event(event: WebhookEvent, *, account: str) -> str:
             processor="sandbox", account=account, reference=event.object_id, event=event,
             payment_references=(str(data.get("charge") or ""),),
             status=DISPUTE_STATUSES.get(str(data.get("status")), Dispute.Status.OPEN),
-            reason=str(data.get("reason") or ""), amount_minor=data.get("amount"),
+            reason=str(data.get("reason") or ""), amount_minor=int(data["amount"]) if data.get("amount") else None,
             currency=str(data.get("currency") or "").upper(), evidence_due_by=data.get("evidence_due_by"))
     return f"not an event RefundOps acts on ({event.type})"
 
@@ -240,7 +239,7 @@ def apply_dispute_news(*, processor: str, account: str, reference: str, event: W
     before = payment.dispute_status
     payment.dispute_status, payment.dispute_reference = status, reference
     updated = ["dispute_status", "dispute_reference"]
-    refunded = payment.refunds.filter(Q(status__in=(RefundState.SUBMITTED, RefundState.SETTLED))).exists()
+    refunded = payment.refunds.filter(status__in=(RefundState.SUBMITTED, RefundState.SETTLED)).exists()
     if opened and refunded and not payment.paid_twice:
         # The customer got money back from us and now asks their bank for it too.
         payment.paid_twice = True
