@@ -22,7 +22,7 @@ class ApprovalAuthorityForm(forms.ModelForm):
 class ApprovalAuthorityAdmin(HistoryAdmin):
     form = ApprovalAuthorityForm
     list_display = ["user", "currency", "max_amount", "is_active", "created_at"]
-    list_filter = ["currency", "is_active"]
+    list_filter = [("currency", admin.AllValuesFieldListFilter), "is_active"]
     search_fields = ["user__username", "user__email"]
     list_select_related = ["user"]
     autocomplete_fields = ["user"]

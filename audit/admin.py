@@ -80,19 +80,23 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def checks_table(checks: list[dict[str, Any]]) -> SafeString:
-    """A verdict's checks as a table a person can read: what was checked, its result, the limit,
-    what was observed, and the message."""
+def checks_table(checks: list[dict[str, Any]], *, currency: str = "") -> SafeString:
+    """A verdict's checks as a table a person can read, in the order they ran: what was checked,
+    its result, the limit, what was observed, and (for a check that failed or held) why."""
     if not checks:
         return format_html("<p>{}</p>", "No checks ran (the request was refused before the policy).")
     rows = format_html_join(
-        "", '<tr class="check-{}"><td>{}</td><td><strong>{}</strong></td><td>{}</td><td>{}</td>'
-            '<td>{}</td><td>{}</td><td>{}</td></tr>',
+        "", '<tr class="check-{}"><td class="name">{}</td><td><strong>{}</strong></td><td class="name">{}</td>'
+            '<td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>',
         ((c.get("result", ""), c.get("name", ""), c.get("result", ""), c.get("code", ""), _cell(c.get("limit")),
-          _cell(c.get("observed")), _cell(c.get("inputs")), c.get("message", "")) for c in checks))
+          _cell(c.get("observed")), _cell(c.get("inputs")),
+          # A passing check's message describes the refusal it would have given: not news.
+          c.get("message", "") if c.get("result") != "pass" else "") for c in checks))
+    units = f"Amounts are in minor units of {currency}. " if currency else ""
     return format_html(
-        '<table class="checks-table"><thead><tr><th>Check</th><th>Result</th><th>Code</th><th>Limit</th>'
-        "<th>Observed</th><th>Inputs</th><th>Message</th></tr></thead><tbody>{}</tbody></table>", rows)
+        '<table class="checks-table"><caption>{}{} checks, in the order they ran</caption><thead><tr>'
+        "<th>Check</th><th>Result</th><th>Code if refused</th><th>Limit</th><th>Observed</th><th>Inputs</th>"
+        "<th>Why</th></tr></thead><tbody>{}</tbody></table>", units, len(checks), rows)
 
 
 def mapping_table(data: dict[str, Any]) -> SafeString:
@@ -142,7 +146,7 @@ class VerdictAdmin(ReadOnlyAdmin):
 
     @admin.display(description="checks")
     def checks_rendered(self, obj: Verdict) -> SafeString:
-        return checks_table(obj.checks)
+        return checks_table(obj.checks, currency=obj.currency)
 
     @admin.display(description="running totals seen")
     def totals_rendered(self, obj: Verdict) -> SafeString:

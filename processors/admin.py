@@ -37,7 +37,7 @@ class SandboxControlAdmin(admin.ModelAdmin):
 @admin.register(SandboxCharge)
 class SandboxChargeAdmin(ReadOnlyAdmin):
     list_display = ["reference", "authorized", "captured", "refunded", "voided", "created_at"]
-    list_filter = ["currency", "voided"]
+    list_filter = [("currency", admin.AllValuesFieldListFilter), "voided"]
     search_fields = ["reference"]
 
     @admin.display(description="authorised")
@@ -56,7 +56,7 @@ class SandboxChargeAdmin(ReadOnlyAdmin):
 @admin.register(SandboxRefund)
 class SandboxRefundAdmin(ReadOnlyAdmin):
     list_display = ["reference", "charge", "amount", "status", "settles_at", "created_at"]
-    list_filter = ["status", "currency"]
+    list_filter = ["status", ("currency", admin.AllValuesFieldListFilter)]
     search_fields = ["reference", "charge__reference", "idempotency_key"]
     list_select_related = ["charge"]
 

@@ -38,6 +38,7 @@ from refundops.errors import ApiError
 from refundops.models import (
     Agent,
     AgentKey,
+    Capability,
     Customer,
     Dispute,
     DisputeEvidenceDraft,
@@ -159,9 +160,10 @@ class StaffRefundForm(forms.Form):
 
 @admin.register(Payment)
 class PaymentAdmin(ReadOnlyHistoryAdmin):
-    list_display = ["id", "customer", "captured", "refunded", "pending", "refundable", "status", "method",
-                    "dispute_status", "fraud", "paid_twice", "processor", "captured_at"]
-    list_filter = ["status", "processor", "dispute_status", "paid_twice", "currency", "method_type"]
+    list_display = ["id", "captured", "refundable", "refunded", "pending", "status", "dispute_status", "fraud",
+                    "paid_twice", "method", "customer", "processor", "captured_at"]
+    list_filter = ["status", "processor", "dispute_status", "paid_twice",
+                   ("currency", admin.AllValuesFieldListFilter), "method_type"]
     search_fields = ["id", "processor_reference", "order_reference", "customer__email", "customer__name",
                      "=method_last4"]
     list_select_related = ["customer"]
@@ -290,10 +292,11 @@ def _authority_note(refund: Refund, user, authorities: dict[str, int]) -> str:
 
 @admin.register(Refund)
 class RefundAdmin(ReadOnlyHistoryAdmin):
-    list_display = ["id", "created_at", "payment_link", "customer", "amount", "status", "origin", "reason",
-                    "requester", "hold_reasons", "verdict_link"]
-    list_filter = ["status", "origin", "reason", ("agent", admin.RelatedOnlyFieldListFilter), "currency",
-                   "payment__processor"]
+    list_display = ["id", "amount", "status", "reason", "origin", "requester", "hold_reasons", "payment_link",
+                    "customer", "verdict_link", "created_at"]
+    # Currencies in use, not all forty the platform accepts.
+    list_filter = ["status", "origin", "reason", ("agent", admin.RelatedOnlyFieldListFilter),
+                   ("currency", admin.AllValuesFieldListFilter), "payment__processor"]
     search_fields = ["id", "payment__id", "idempotency_key", "agent_session_id", "processor_refund_id",
                      "payment__customer__email"]
     list_select_related = ["payment__customer", "agent", "requested_by"]
@@ -339,7 +342,7 @@ class RefundAdmin(ReadOnlyHistoryAdmin):
 
     @admin.display(description="checks")
     def verdict_checks(self, obj: Refund) -> SafeString:
-        return checks_table(obj.verdict.checks if obj.verdict_id else [])
+        return checks_table(obj.verdict.checks if obj.verdict_id else [], currency=obj.currency)
 
     @admin.display(description="who or what moved it, and why")
     def state_history(self, obj: Refund) -> SafeString:
@@ -539,13 +542,41 @@ class AgentKeyInline(admin.TabularInline):
         return False
 
 
+class AgentCapabilitiesForm(forms.ModelForm):
+    capabilities = forms.MultipleChoiceField(choices=Capability.choices, required=False,
+                                             widget=forms.CheckboxSelectMultiple)
+
+    class Meta:
+        model = Agent
+        fields = ["capabilities"]
+
+
 @admin.register(Agent)
-class AgentAdmin(ReadOnlyHistoryAdmin):
+class AgentAdmin(HistoryAdmin):
+    """Agents are created by ``manage.py create_agent`` (the key is shown once, there). Here an
+    operator grants or revokes capabilities, each through the audited service."""
+
+    form = AgentCapabilitiesForm
     list_display = ["name", "id", "owner", "capability_list", "is_active", "live_keys", "created_at"]
     list_filter = ["is_active"]
     search_fields = ["name", "id", "owner"]
-    fields = ["id", "name", "owner", "capability_list", "is_active", "created_at"]
+    fields = ["id", "name", "owner", "capabilities", "is_active", "created_at"]
+    readonly_fields = ["id", "name", "owner", "is_active", "created_at"]
     inlines = [AgentKeyInline]
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    def save_model(self, request, obj, form, change):
+        held = set(Agent.objects.values_list("capabilities", flat=True).get(pk=obj.pk))
+        wanted = set(form.cleaned_data["capabilities"])
+        for capability in sorted(wanted - held):
+            agents.grant_capability(agent_name_or_id=obj.pk, capability=capability, actor=request.user)
+        for capability in sorted(held - wanted):
+            agents.revoke_capability(agent_name_or_id=obj.pk, capability=capability, actor=request.user)
 
     def get_queryset(self, request):
         live = Q(keys__revoked_at__isnull=True) & (Q(keys__expires_at__isnull=True)

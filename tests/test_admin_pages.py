@@ -246,3 +246,16 @@ def test_the_admin_index_links_the_dashboard_and_the_held_queue(client, world):
     client.force_login(make_approver())
     page = client.get(reverse("admin:index")).content.decode()
     assert reverse("admin:refundops_dashboard") in page and reverse("admin:refundops_refund_held") in page
+
+
+def test_an_operator_grants_and_revokes_capabilities_through_the_audited_service(client, world, root):
+    agent = AgentKey.objects.first().agent
+    keep = [c for c in agent.capabilities if c != "refunds.create"]
+    response = client.post(admin_url("admin:refundops_agent_change", agent.pk), {
+        "capabilities": keep, "keys-TOTAL_FORMS": "1", "keys-INITIAL_FORMS": "1", "keys-MIN_NUM_FORMS": "0",
+        "keys-MAX_NUM_FORMS": "1000"})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    agent.refresh_from_db()
+    assert "refunds.create" not in agent.capabilities and set(agent.capabilities) == set(keep)
+    entry = AuditEntry.objects.get(action="capability.revoked", subject_id=agent.pk)
+    assert entry.actor == "user:root" and entry.data["capability"] == "refunds.create"

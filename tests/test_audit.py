@@ -128,3 +128,11 @@ def test_a_stacked_chart_has_a_legend_and_one_mark_per_nonzero_part():
     assert svg.count('<rect class="chart-series-0"') == 2  # legend and one bar
     assert svg.count('<rect class="chart-series-1"') == 3
     assert "<title>APPROVAL_REQUIRED, rejected: 1</title>" in svg
+
+
+def test_the_checks_table_gives_the_why_only_for_checks_that_did_not_pass():
+    html = checks_table([{"name": "global_daily_amount", "result": "pass", "message": "Refused: would reach …"},
+                         {"name": "approval_threshold", "result": "hold", "message": "above 200.00 USD"}],
+                        currency="USD")
+    assert "Refused: would reach" not in html and "above 200.00 USD" in html
+    assert "Amounts are in minor units of USD. 2 checks, in the order they ran" in html
