@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from django.db.models import Count, Q, Sum
+from django.db import connection
 from django.utils import timezone
 
 from refundops.models import COUNTING_STATES, HoldRules, Payment, Refund, RefundLimits
@@ -23,36 +23,47 @@ def start_of_day(now: datetime) -> datetime:
     return timezone.localtime(now).replace(hour=0, minute=0, second=0, microsecond=0)
 
 
+# One round trip: the service reads these while it holds the lock that serialises every refund
+# decision (refundops.locks.lock_platform), so each statement there costs all agents time.
+# Scalar subqueries let each scope use its own index (customer via the payment, agent, day, payment).
+_TOTALS_SQL = """
+SELECT
+  (SELECT COUNT(*) FROM {refund} WHERE payment_id = %(payment)s AND status = ANY(%(states)s)),
+  c.day_count, c.day_sum, c.month_count, c.month_sum, c.velocity,
+  a.hour_sum, a.day_sum, a.session_sum,
+  (SELECT COALESCE(SUM(amount_minor), 0) FROM {refund}
+    WHERE status = ANY(%(states)s) AND currency = %(currency)s AND created_at >= %(day)s)
+FROM
+  (SELECT COUNT(*) FILTER (WHERE r.created_at >= %(day)s) AS day_count,
+          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.created_at >= %(day)s), 0) AS day_sum,
+          COUNT(*) FILTER (WHERE r.created_at >= %(month)s) AS month_count,
+          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.created_at >= %(month)s), 0) AS month_sum,
+          COUNT(*) FILTER (WHERE r.created_at >= %(velocity)s) AS velocity
+     FROM {refund} r JOIN {payment} p ON p.id = r.payment_id
+    WHERE p.customer_id = %(customer)s AND r.status = ANY(%(states)s) AND r.currency = %(currency)s
+      AND r.created_at >= LEAST(%(month)s, %(velocity)s)) c,
+  (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE created_at >= %(hour)s), 0) AS hour_sum,
+          COALESCE(SUM(amount_minor) FILTER (WHERE created_at >= %(day)s), 0) AS day_sum,
+          COALESCE(SUM(amount_minor) FILTER (WHERE %(session)s <> '' AND agent_session_id = %(session)s), 0)
+            AS session_sum
+     FROM {refund}
+    WHERE agent_id = %(agent)s AND status = ANY(%(states)s) AND currency = %(currency)s
+      AND (created_at >= LEAST(%(day)s, %(hour)s) OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
+""".format(refund=Refund._meta.db_table, payment=Payment._meta.db_table)
+
+
 def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
                    velocity_hours: int = 24) -> Totals:
-    day = start_of_day(now)
-    month = now - timedelta(days=30)
-    velocity_since = now - timedelta(hours=velocity_hours)
-    hour = now - timedelta(hours=1)
-    counting = Refund.objects.filter(status__in=COUNTING_STATES, currency=payment.currency)
-
-    def total(q: Q) -> Sum:
-        return Sum("amount_minor", filter=q, default=0)
-
-    customer = counting.filter(payment__customer_id=payment.customer_id,
-                               created_at__gte=min(month, velocity_since)).aggregate(
-        day_count=Count("id", filter=Q(created_at__gte=day)), day_sum=total(Q(created_at__gte=day)),
-        m_count=Count("id", filter=Q(created_at__gte=month)), m_sum=total(Q(created_at__gte=month)),
-        velocity=Count("id", filter=Q(created_at__gte=velocity_since)))
-    agent = {"hour": 0, "day": 0, "session": 0}
-    if agent_id:
-        in_session = Q(agent_session_id=session_id)
-        recent = Q(created_at__gte=min(day, hour))
-        agent = counting.filter(agent_id=agent_id).filter(recent | in_session if session_id else recent).aggregate(
-            hour=total(Q(created_at__gte=hour)), day=total(Q(created_at__gte=day)), session=total(in_session))
-    global_day = counting.filter(created_at__gte=day).aggregate(s=total(Q()))["s"]
-    return Totals(
-        payment_refund_count=Refund.objects.filter(payment_id=payment.pk, status__in=COUNTING_STATES).count(),
-        customer_day_count=customer["day_count"], customer_day_minor=customer["day_sum"],
-        customer_30d_count=customer["m_count"], customer_30d_minor=customer["m_sum"],
-        customer_velocity_count=customer["velocity"],
-        agent_hour_minor=agent["hour"], agent_day_minor=agent["day"],
-        session_minor=agent["session"], global_day_minor=global_day)
+    """What every scope has already refunded in the payment's currency, counting each refund that
+    is not denied, rejected, expired, canceled or failed, whoever made it (agent, staff, gateway)."""
+    params = {"payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
+              "agent": agent_id, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
+              "day": start_of_day(now), "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
+              "velocity": now - timedelta(hours=velocity_hours)}
+    with connection.cursor() as cursor:
+        cursor.execute(_TOTALS_SQL, params)
+        row = cursor.fetchone()
+    return Totals(*(int(v) for v in row))
 
 
 def payment_json(payment: Payment) -> dict:
