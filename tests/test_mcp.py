@@ -30,7 +30,7 @@ from refundops.models import (
     Refund,
     RefundState,
 )
-from tests.conftest import make_agent_key, make_limits, make_payment
+from tests.conftest import make_agent_key, make_limits, make_payment, post
 
 pytestmark = pytest.mark.django_db
 
@@ -199,6 +199,19 @@ def test_the_same_idempotency_key_replays_and_another_body_with_it_is_refused(re
     assert again.structured_content["refund"]["id"] == first.structured_content["refund"]["id"]
     assert error_of(call(refunder, "create_refund", {**arguments, "amount": 1_001}))["code"] == "IDEMPOTENCY_KEY_REUSED"
     assert Refund.objects.count() == 1
+
+
+def test_rest_and_mcp_are_one_api_a_retry_over_mcp_replays_the_rest_answer(api, agent_key, policy):
+    payment = make_payment()
+    body = {"transaction_id": payment.pk, "amount": 1_000, "reason": "customer_request"}
+    first = post(api, "/api/v1/refunds", body, key="same-key").json()
+    retried = call(agent_key[1], "create_refund", {**body, "idempotency_key": "same-key"}).structured_content
+    assert retried["deduplicated"] is True and retried["refund"]["id"] == first["refund"]["id"]
+    over = {**body, "amount": 10_001}
+    rest_error = post(api, "/api/v1/refunds", over).json()["error"]
+    mcp_error = error_of(call(agent_key[1], "create_refund", {**over, "idempotency_key": "other"}))
+    assert (mcp_error["code"], mcp_error["message"]) == (rest_error["code"], rest_error["message"])
+    assert Refund.objects.exclude(status=RefundState.DENIED).count() == 1
 
 
 def test_create_refund_without_an_idempotency_key_is_refused(refunder, policy):
