@@ -251,6 +251,34 @@ def test_open_links_count_against_what_is_owed(api, template):
     assert post(api, "/api/v1/payment-links", {**body, "amount": 2_000}).status_code == 201
 
 
+@pytest.mark.django_db(transaction=True)
+def test_racing_links_never_ask_for_more_than_is_owed():
+    payment = owing(5_000)
+    approver = get_user_model().objects.create_user("finance-race", is_staff=True)
+    template = PaymentLinkTemplate.objects.create(name="race", message="$url", approved_by=approver,
+                                                  approved_at=timezone.now())
+    key, _ = make_agent_key()
+    barrier = threading.Barrier(6)
+    answers = []
+
+    def send() -> None:
+        try:
+            barrier.wait()
+            answers.append(payments.send_payment_link(
+                caller=Caller.for_key(key), idempotency_key=uuid.uuid4().hex,
+                data={"transaction_id": payment.pk, "template": template.pk, "amount": 2_000}))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=send) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(a.status for a in answers) == [201, 201, 422, 422, 422, 422]
+    assert payments.outstanding_links_minor(payment) == 4_000
+
+
 @pytest.mark.parametrize("change", [{"approved_at": None}, {"active": False}])
 def test_payment_link_from_an_unapproved_or_retired_template_is_refused(api, template, change):
     PaymentLinkTemplate.objects.filter(pk=template.pk).update(**change)
