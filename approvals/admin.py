@@ -21,6 +21,7 @@ class ApprovalAuthorityForm(forms.ModelForm):
 @admin.register(ApprovalAuthority)
 class ApprovalAuthorityAdmin(HistoryAdmin):
     form = ApprovalAuthorityForm
+    ordering = ["user__username", "currency"]
     list_display = ["user", "currency", "max_amount", "is_active", "created_at"]
     list_filter = [("currency", admin.AllValuesFieldListFilter), "is_active"]
     search_fields = ["user__username", "user__email"]

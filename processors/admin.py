@@ -36,6 +36,7 @@ class SandboxControlAdmin(admin.ModelAdmin):
 
 @admin.register(SandboxCharge)
 class SandboxChargeAdmin(ReadOnlyAdmin):
+    ordering = ["-created_at"]
     list_display = ["reference", "authorized", "captured", "refunded", "voided", "created_at"]
     list_filter = [("currency", admin.AllValuesFieldListFilter), "voided"]
     search_fields = ["reference"]
@@ -55,6 +56,7 @@ class SandboxChargeAdmin(ReadOnlyAdmin):
 
 @admin.register(SandboxRefund)
 class SandboxRefundAdmin(ReadOnlyAdmin):
+    ordering = ["-created_at"]
     list_display = ["reference", "charge", "amount", "status", "settles_at", "created_at"]
     list_filter = ["status", ("currency", admin.AllValuesFieldListFilter)]
     search_fields = ["reference", "charge__reference", "idempotency_key"]

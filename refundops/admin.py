@@ -72,6 +72,7 @@ def _safe_next(request: HttpRequest, default: str) -> str:
 
 @admin.register(Customer)
 class CustomerAdmin(ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
     list_display = ["id", "name", "email", "email_changed_at", "address_changed_at", "payment_count", "created_at"]
     search_fields = ["id", "name", "email"]
 
@@ -160,6 +161,7 @@ class StaffRefundForm(forms.Form):
 
 @admin.register(Payment)
 class PaymentAdmin(ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
     list_display = ["id", "captured", "refundable", "refunded", "pending", "status", "dispute_status", "fraud",
                     "paid_twice", "method", "customer", "processor", "captured_at"]
     list_filter = ["status", "processor", "dispute_status", "paid_twice",
@@ -292,6 +294,7 @@ def _authority_note(refund: Refund, user, authorities: dict[str, int]) -> str:
 
 @admin.register(Refund)
 class RefundAdmin(ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
     list_display = ["id", "amount", "status", "reason", "origin", "requester", "hold_reasons", "payment_link",
                     "customer", "verdict_link", "created_at"]
     # Currencies in use, not all forty the platform accepts.
@@ -557,6 +560,7 @@ class AgentAdmin(HistoryAdmin):
     operator grants or revokes capabilities, each through the audited service."""
 
     form = AgentCapabilitiesForm
+    ordering = ["name"]
     list_display = ["name", "id", "owner", "capability_list", "is_active", "live_keys", "created_at"]
     list_filter = ["is_active"]
     search_fields = ["name", "id", "owner"]
@@ -595,6 +599,8 @@ class AgentAdmin(HistoryAdmin):
 @admin.register(AgentKey)
 class AgentKeyAdmin(ReadOnlyHistoryAdmin):
     """Keys by prefix only: the hash is never shown, the key itself was shown once at creation."""
+
+    ordering = ["-created_at"]
 
     list_display = ["prefix", "agent", "created_at", "last_used_at", "expires_at", "revoked_at", "state"]
     list_filter = [("revoked_at", admin.EmptyFieldListFilter), ("agent", admin.RelatedOnlyFieldListFilter)]
@@ -660,6 +666,7 @@ class PlatformStateAdmin(ReadOnlyHistoryAdmin):
 
 @admin.register(IdempotencyRecord)
 class IdempotencyRecordAdmin(ReadOnlyAdmin):
+    ordering = ["-created_at"]
     list_display = ["key", "scope", "operation", "response_status", "created_at"]
     list_filter = ["operation", "response_status"]
     search_fields = ["key", "scope"]
@@ -671,6 +678,7 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
 
 @admin.register(PaymentOperation)
 class PaymentOperationAdmin(ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
     list_display = ["id", "kind", "payment_link", "amount", "status", "agent", "verdict_link", "created_at",
                     "finished_at"]
     list_filter = ["kind", "status"]
@@ -698,6 +706,7 @@ class PaymentLinkTemplateForm(forms.ModelForm):
 
 @admin.register(PaymentLinkTemplate)
 class PaymentLinkTemplateAdmin(HistoryAdmin):
+    ordering = ["name"]
     """Agents send links only from templates a person approved; an edited message needs approval
     again, so what a person approved is what customers receive."""
 
@@ -739,6 +748,7 @@ class PaymentLinkTemplateAdmin(HistoryAdmin):
 
 @admin.register(PaymentLink)
 class PaymentLinkAdmin(ReadOnlyHistoryAdmin):
+    ordering = ["-sent_at"]
     list_display = ["id", "payment_link", "order_reference", "amount", "status", "template", "agent", "sent_at",
                     "paid_at"]
     list_filter = ["status", "template"]
@@ -772,6 +782,7 @@ class EvidenceDraftInline(admin.StackedInline):
 
 @admin.register(Dispute)
 class DisputeAdmin(ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
     list_display = ["id", "payment_link", "amount", "status", "reason", "refunded", "evidence_due_by",
                     "created_at"]
     list_filter = ["status", "reason"]
@@ -795,6 +806,7 @@ class DisputeAdmin(ReadOnlyHistoryAdmin):
 
 @admin.register(DisputeEvidenceDraft)
 class DisputeEvidenceDraftAdmin(ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
     list_display = ["id", "dispute", "status", "drafted_by", "created_at", "submitted_by", "submitted_at"]
     list_filter = ["status"]
     search_fields = ["id", "dispute__id"]

@@ -12,6 +12,7 @@ import uuid
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
+from django.db import connections
 from playwright.sync_api import Page, expect, sync_playwright
 
 from refundops.callers import Caller
@@ -43,6 +44,9 @@ def browser():
         chromium = launch(playwright)
         yield chromium
         chromium.close()
+        # ORM calls made while Playwright's loop runs open a connection of their own; close it
+        # here, or dropping the test database finds it still in use.
+        connections.close_all()
 
 
 def shot(page: Page, name: str) -> None:
@@ -126,6 +130,20 @@ def test_every_admin_page_renders_in_chromium(live_server, browser):
             expect(page.locator("#content h1, #content h2").first).to_be_visible()
             assert "Server Error" not in page.content()
         shot(page, "root-" + re.sub(r"\W+", "-", what))
+    payment = Payment.objects.filter(refunds__isnull=True, status="captured", currency="USD",
+                                     dispute_status="none").first()
+    page.goto(live_server.url + admin_url("admin:refundops_payment_change", payment.pk))
+    page.click("text=Refund this payment")
+    page.fill("#id_amount", "12.34")
+    page.select_option("#id_reason", "product_issue")
+    page.fill("#id_note", "refund asked for by phone")
+    shot(page, "root-staff-refund-form")
+    page.click("input[type=submit][value='Request refund']")
+    expect(page.locator(".messagelist")).to_contain_text("12.34 USD: approved")
+    expect(page.locator("h1")).to_have_text("View refund")
+    shot(page, "root-staff-refund-made")
+    assert Refund.objects.get(payment=payment).origin == Refund.Origin.STAFF
+
     for name, url, heading in [("dashboard", "/admin/refundops/refund/dashboard/", "Finance dashboard"),
                                ("held-queue", "/admin/refundops/refund/held/", "Held refunds")]:
         page.goto(live_server.url + url)

@@ -11,6 +11,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
+from approvals.services import approve_refund, reject_refund
 from audit.models import AuditEntry, Verdict
 from processors.models import SandboxControl
 from refundops.models import AgentKey, Payment, PlatformState, Refund, RefundState
@@ -259,3 +260,21 @@ def test_an_operator_grants_and_revokes_capabilities_through_the_audited_service
     assert "refunds.create" not in agent.capabilities and set(agent.capabilities) == set(keep)
     entry = AuditEntry.objects.get(action="capability.revoked", subject_id=agent.pk)
     assert entry.actor == "user:root" and entry.data["capability"] == "refunds.create"
+
+
+def test_dashboard_reports_count_people_not_agents_and_follow_each_hold_to_its_end(world):
+    from refundops import reports
+
+    alice = make_approver("alice", currencies=("USD", "EUR"), limit=100_000)
+    approve_refund(refund_id=world.held.pk, approver=alice)
+    reject_refund(refund_id=world.held_big.pk, approver=alice)
+    data = reports.dashboard()
+    # The agent's refund approved by the policy is logged as refund.approved too, but by no person.
+    assert data.decisions_by_person == {"alice": {"approved": 1, "rejected": 1}}
+    assert data.held_by_rule == {
+        "APPROVAL_REQUIRED": {"approved": 1, "rejected": 1, "expired": 0, "waiting": 0, "canceled": 0},
+        "PAYMENT_FLAGGED": {"approved": 1, "rejected": 0, "expired": 0, "waiting": 0, "canceled": 0}}
+    usd = next(c for c in data.per_currency if c.currency == "USD")
+    assert (usd.days[-1].count, usd.days[-1].amount_minor) == (2, 11_500)  # approved 25.00 + 90.00
+    assert [c.currency for c in data.per_currency] == ["USD"]  # a rejected refund no longer counts
+    assert sum(data.duplicates_by_day.values()) == 1 and data.held_now == 0
