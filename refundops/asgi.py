@@ -1,6 +1,6 @@
 """The one ASGI application: Django (API, admin, webhooks) and the MCP server at ``/mcp``, on the same
-host and port. Serve it with ``uvicorn refundops.asgi:application`` (lifespan on, uvicorn's default):
-the MCP session manager starts in the lifespan."""
+host and port. Serve it with ``uvicorn refundops.asgi:application`` or gunicorn's UvicornWorker, with
+the ASGI lifespan on (their default, "auto"): the MCP session manager starts in it."""
 
 import os
 
