@@ -37,6 +37,10 @@ class World:
 
 @pytest.fixture
 def world(policy) -> World:
+    return build_world()
+
+
+def build_world() -> World:
     payment = make_payment(amount=10_000)
     authorization = make_payment(amount=8_000, captured=False, order_reference="ord-1",
                                  order_amount_minor=8_000, amount_owed_minor=8_000)

@@ -26,7 +26,7 @@ from refundops.errors import ERROR_STATUS
 from refundops.models import Capability, Dispute, Payment
 from refundops.services import payments
 from tests.conftest import make_agent_key, make_limits, make_payment, post
-from tests.test_capabilities import CONTRACT_REFUSALS, ENDPOINTS, World, call, world  # noqa: F401 (fixture)
+from tests.test_capabilities import CONTRACT_REFUSALS, ENDPOINTS, World, build_world
 from tests.test_payment_operations import FakeStripe
 
 pytestmark = pytest.mark.django_db
@@ -37,6 +37,11 @@ CONTRACT_PATHS = {
     ("post", "/api/v1/payments/{txn_id}/capture"), ("post", "/api/v1/payment-links"),
     ("post", "/api/v1/disputes/{dp_id}/evidence-drafts"),
 }
+
+
+@pytest.fixture
+def world(policy) -> World:
+    return build_world()
 
 
 @pytest.fixture

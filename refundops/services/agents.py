@@ -104,7 +104,7 @@ def revoke_key(*, prefix: str, actor: Actor) -> AgentKey:
     """Revoke the key named by its prefix (a whole pasted key works too). Revoking twice is a no-op."""
     prefix = prefix.strip()[:KEY_PREFIX_LENGTH]
     key = AgentKey.objects.select_for_update().select_related("agent").filter(prefix=prefix).first()
-    if key is None or len(prefix) < KEY_PREFIX_LENGTH:
+    if key is None:
         raise AgentAccessError(f"No key with prefix {prefix!r}; a prefix is the first {KEY_PREFIX_LENGTH} "
                                f"characters, such as rk_AbCd1234.")
     if key.revoked_at is None:
