@@ -28,11 +28,13 @@ def start_of_day(now: datetime) -> datetime:
 # Scalar subqueries let each scope use its own index (customer via the payment, agent, day, payment).
 _TOTALS_SQL = """
 SELECT
-  (SELECT COUNT(*) FROM {refund} WHERE payment_id = %(payment)s AND status = ANY(%(states)s)),
+  (SELECT COUNT(*) FROM {refund} WHERE payment_id = %(payment)s AND status = ANY(%(states)s)
+     AND id <> %(exclude)s),
   c.day_count, c.day_sum, c.month_count, c.month_sum, c.velocity,
   a.hour_sum, a.day_sum, a.session_sum,
   (SELECT COALESCE(SUM(amount_minor), 0) FROM {refund}
-    WHERE status = ANY(%(states)s) AND currency = %(currency)s AND created_at >= %(day)s)
+    WHERE status = ANY(%(states)s) AND currency = %(currency)s AND created_at >= %(day)s
+      AND id <> %(exclude)s)
 FROM
   (SELECT COUNT(*) FILTER (WHERE r.created_at >= %(day)s) AS day_count,
           COALESCE(SUM(r.amount_minor) FILTER (WHERE r.created_at >= %(day)s), 0) AS day_sum,
@@ -41,22 +43,23 @@ FROM
           COUNT(*) FILTER (WHERE r.created_at >= %(velocity)s) AS velocity
      FROM {refund} r JOIN {payment} p ON p.id = r.payment_id
     WHERE p.customer_id = %(customer)s AND r.status = ANY(%(states)s) AND r.currency = %(currency)s
-      AND r.created_at >= LEAST(%(month)s, %(velocity)s)) c,
+      AND r.created_at >= LEAST(%(month)s, %(velocity)s) AND r.id <> %(exclude)s) c,
   (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE created_at >= %(hour)s), 0) AS hour_sum,
           COALESCE(SUM(amount_minor) FILTER (WHERE created_at >= %(day)s), 0) AS day_sum,
           COALESCE(SUM(amount_minor) FILTER (WHERE %(session)s <> '' AND agent_session_id = %(session)s), 0)
             AS session_sum
      FROM {refund}
-    WHERE agent_id = %(agent)s AND status = ANY(%(states)s) AND currency = %(currency)s
+    WHERE agent_id = %(agent)s AND status = ANY(%(states)s) AND currency = %(currency)s AND id <> %(exclude)s
       AND (created_at >= LEAST(%(day)s, %(hour)s) OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
 """.format(refund=Refund._meta.db_table, payment=Payment._meta.db_table)
 
 
 def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
-                   velocity_hours: int = 24) -> Totals:
+                   velocity_hours: int = 24, exclude_refund_id: str = "") -> Totals:
     """What every scope has already refunded in the payment's currency, counting each refund that
-    is not denied, rejected, expired, canceled or failed, whoever made it (agent, staff, gateway)."""
-    params = {"payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
+    is not denied, rejected, expired, canceled or failed, whoever made it (agent, staff, gateway).
+    ``exclude_refund_id``: the refund being decided, when it is already written."""
+    params = {"exclude": exclude_refund_id, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
               "agent": agent_id, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
               "day": start_of_day(now), "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
               "velocity": now - timedelta(hours=velocity_hours)}

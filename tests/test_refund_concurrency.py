@@ -18,6 +18,7 @@ from django.db import connection
 from django.db.models import Sum
 from rest_framework.test import APIClient
 
+from audit.models import Verdict
 from refundops.models import COUNTING_STATES, Agent, AgentKey, Payment, Refund
 from refundops.access import generate_key
 from tests.conftest import make_agent_key, make_customer, make_limits, make_payment, make_rules
@@ -89,6 +90,14 @@ def test_64_agents_racing_on_one_customers_daily_amount_pass_it_by_not_one_refun
     results = race(64, lambda i: refund(keys[i], payments[i]))
     assert outcomes(results) == {"approved": 10, "DAILY_LIMIT_REACHED": 54}
     assert counted(payment__customer=customer) == (10, 10 * AMOUNT)
+    # Decisions taken before the lock and overturned under it leave nothing behind: one verdict
+    # and one refund per request, each naming the other, denied ones included.
+    verdicts = {v.refund_id: v for v in Verdict.objects.filter(operation="refund.create")}
+    refunds = Refund.objects.filter(payment__customer=customer)
+    assert len(verdicts) == refunds.count() == 64
+    for r in refunds:  # approved ones may have been paid by now (eager Celery)
+        assert verdicts[r.pk].id == r.verdict_id
+        assert verdicts[r.pk].outcome == ("denied" if r.status == "denied" else "approved")
 
 
 def test_64_agents_racing_on_the_global_daily_amount_pass_it_by_not_one_refund():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from datetime import date, datetime, timedelta
 from typing import Any
@@ -19,7 +20,7 @@ from refundops.callers import Caller
 from refundops.inputs import RefundInput, ValidationFailed, parse_refund
 from refundops.locks import lock_payment, lock_platform
 from refundops.models import RESERVING_STATES, Payment, PlatformState, Refund, RefundState
-from refundops.policy import Decision, RefundAsk, evaluate_refund, policy_version
+from refundops.policy import Decision, RefundAsk, Totals, evaluate_refund, policy_version
 from refundops.selectors import active_limits, active_rules, running_totals
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
                                              message=message, payment_id=ask.transaction_id)
             answer = error_answer("PAYMENT_NOT_FOUND", message, verdict_id=verdict.id)
         else:
-            platform = lock_platform() if not dry_run else PlatformState.current()
+            platform = PlatformState.current()  # locked later, for as short a time as may be
             answer = _decide_for_payment(caller=caller, payment=payment, ask=ask, base=base, now=now,
                                          platform=platform, dry_run=dry_run, idempotency_key=idempotency_key)
         if not dry_run:
@@ -108,48 +109,49 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
                         idempotency_key: str) -> Answer:
     limits, rules = active_limits(payment.currency), active_rules()
     agent_id = caller.agent.id if caller.agent else None
-    totals = running_totals(payment=payment, agent_id=agent_id, session_id=ask.agent.session_id, now=now,
-                            velocity_hours=rules.velocity_window_hours if rules else 24)
-    decision = evaluate_refund(
-        payment=payment, limits=limits, rules=rules, totals=totals, now=now,
-        ask=RefundAsk(amount_minor=ask.amount_minor, reason=ask.reason, destination=ask.destination,
-                      agent_id=agent_id, session_id=ask.agent.session_id),
-        paused=platform.refunds_paused, breaker_open=bool(agent_id) and breaker.is_open(now=now))
-    verdict = Verdict.objects.create(
-        **base, outcome=decision.outcome, code=decision.code, message=decision.message,
-        payment_id=payment.pk, amount_minor=decision.amount_minor, currency=payment.currency,
-        checks=decision.checks_json(), totals=vars(totals), hold_reasons=decision.hold_reasons,
-        policy_version=policy_version(limits, rules))
+    refund_ask = RefundAsk(amount_minor=ask.amount_minor, reason=ask.reason, destination=ask.destination,
+                           agent_id=agent_id, session_id=ask.agent.session_id)
+    breaker_open = bool(agent_id) and breaker.is_open(now=now)
+    locked = copy.copy(payment)  # the payment as locked, before this request reserves anything
+
+    def decide(state: PlatformState, exclude_refund_id: str = "") -> tuple[Decision, Totals]:
+        totals = running_totals(payment=locked, agent_id=agent_id, session_id=ask.agent.session_id, now=now,
+                                velocity_hours=rules.velocity_window_hours if rules else 24,
+                                exclude_refund_id=exclude_refund_id)
+        return evaluate_refund(payment=locked, limits=limits, rules=rules, totals=totals, now=now, ask=refund_ask,
+                               paused=state.refunds_paused, breaker_open=breaker_open), totals
+
+    decision, totals = decide(platform)
+    verdict = Verdict(**base, payment_id=payment.pk, currency=payment.currency,
+                      policy_version=policy_version(limits, rules))
     if dry_run:
+        _fill_verdict(verdict, decision, totals).save()
         return _check_answer(payment, decision, verdict, totals, limits)
 
-    refund = None
-    if decision.amount_minor > 0:  # a refund row needs an amount; "nothing refundable" has none
-        refund = Refund(
-            payment=payment, amount_minor=decision.amount_minor, currency=payment.currency,
-            reason=ask.reason, note=ask.note,
-            origin=Refund.Origin.AGENT if caller.is_agent else Refund.Origin.STAFF,
-            agent=caller.agent, agent_key=caller.key, requested_by=caller.user,
-            agent_session_id=ask.agent.session_id, agent_model=ask.agent.model,
-            agent_reasoning=ask.agent.reasoning, conversation_context=ask.agent.conversation_context,
-            idempotency_key=idempotency_key, verdict=verdict,
-            estimated_arrival=estimate_arrival(payment, now.date()))
-        # History names who asked and which verdict moved it (agents are not Django users).
-        refund._change_reason = f"requested by {caller.label}"
-        refund.save()
-        if decision.outcome == "approved":
-            refund.approve_automatically()
-            if caller.is_agent:
-                breaker.record_refund(refund.amount_minor, refund.currency, now)
-        elif decision.outcome == "held":
-            refund.hold(reasons=decision.hold_reasons)
-        else:
-            refund.deny(code=decision.code, message=decision.message)
-        refund._change_reason = f"verdict {verdict.id}: {decision.outcome}" + (
-            f" ({decision.code})" if decision.code else "")
-        refund.save()
-        sync_payment_amounts(payment)
-        Verdict.objects.filter(pk=verdict.pk).update(refund_id=refund.pk)
+    # Every refund decision is serialised by the platform row lock, held until commit, so running
+    # totals are exact under races. To keep that stretch short, the refund is written on the
+    # decision taken without the lock; then the lock is taken and the decision taken again on
+    # totals that include every committed refund. Almost always it stands; if not, the writes
+    # are undone and redone under the lock.
+    savepoint = transaction.savepoint()
+    refund = _write_refund(caller=caller, payment=payment, ask=ask, decision=decision, verdict=verdict,
+                           now=now, idempotency_key=idempotency_key)
+    platform = lock_platform()
+    confirmed, totals = decide(platform, exclude_refund_id=refund.pk if refund else "")
+    if _outcome_key(confirmed) != _outcome_key(decision):
+        transaction.savepoint_rollback(savepoint)  # also lets go of the lock taken after it
+        platform = lock_platform()
+        confirmed, totals = decide(platform)
+        refund = _write_refund(caller=caller, payment=payment, ask=ask, decision=confirmed, verdict=verdict,
+                               now=now, idempotency_key=idempotency_key)
+    else:
+        transaction.savepoint_commit(savepoint)
+    decision = confirmed
+    verdict.refund_id = refund.pk if refund else ""
+    _fill_verdict(verdict, decision, totals).save()  # the refund points at it; the FK is checked at commit
+    if refund is not None:
+        if refund.status == RefundState.APPROVED and caller.is_agent:
+            breaker.record_refund(refund.amount_minor, refund.currency, now)
         record_audit(actor=caller.label, action=f"refund.{refund.status}", subject_type="refund",
                      subject_id=refund.pk, data={"verdict_id": verdict.id, "payment_id": payment.pk,
                                                  "amount_minor": refund.amount_minor,
@@ -161,6 +163,46 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
         extra = {"refund_id": refund.pk} if refund else {}
         return error_answer(decision.code, decision.message, verdict_id=verdict.id, **extra)
     return _created_answer(refund, decision, verdict, payment, totals, limits)
+
+
+def _outcome_key(decision: Decision) -> tuple[Any, ...]:
+    return decision.outcome, decision.code, tuple(decision.hold_reasons), decision.amount_minor
+
+
+def _fill_verdict(verdict: Verdict, decision: Decision, totals: Totals) -> Verdict:
+    verdict.outcome, verdict.code, verdict.message = decision.outcome, decision.code, decision.message
+    verdict.amount_minor, verdict.checks = decision.amount_minor, decision.checks_json()
+    verdict.totals, verdict.hold_reasons = vars(totals), decision.hold_reasons
+    return verdict
+
+
+def _write_refund(*, caller: Caller, payment: Payment, ask: RefundInput, decision: Decision, verdict: Verdict,
+                  now: datetime, idempotency_key: str) -> Refund | None:
+    if decision.amount_minor <= 0:  # a refund row needs an amount; "nothing refundable" has none
+        return None
+    refund = Refund(
+        payment=payment, amount_minor=decision.amount_minor, currency=payment.currency,
+        reason=ask.reason, note=ask.note,
+        origin=Refund.Origin.AGENT if caller.is_agent else Refund.Origin.STAFF,
+        agent=caller.agent, agent_key=caller.key, requested_by=caller.user,
+        agent_session_id=ask.agent.session_id, agent_model=ask.agent.model,
+        agent_reasoning=ask.agent.reasoning, conversation_context=ask.agent.conversation_context,
+        idempotency_key=idempotency_key, verdict_id=verdict.id,
+        estimated_arrival=estimate_arrival(payment, now.date()))
+    # History names who asked and which verdict moved it (agents are not Django users).
+    refund._change_reason = f"requested by {caller.label}"
+    refund.save()
+    if decision.outcome == "approved":
+        refund.approve_automatically()
+    elif decision.outcome == "held":
+        refund.hold(reasons=decision.hold_reasons)
+    else:
+        refund.deny(code=decision.code, message=decision.message)
+    refund._change_reason = f"verdict {verdict.id}: {decision.outcome}" + (
+        f" ({decision.code})" if decision.code else "")
+    refund.save()
+    sync_payment_amounts(payment)
+    return refund
 
 
 def sync_payment_amounts(payment: Payment) -> None:
