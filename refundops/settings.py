@@ -74,8 +74,13 @@ DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'r
 DATABASES["default"]["ATOMIC_REQUESTS"] = False
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20, "transaction_mode": "IMMEDIATE"})
+elif env.bool("DATABASE_POOL", default=False):
+    # Under ASGI each request runs in a short-lived thread, so persistent connections give
+    # nothing; a psycopg pool does. Off in tests (pytest-django creates and drops databases).
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": env.int("DATABASE_POOL_MIN", default=2), "max_size": env.int("DATABASE_POOL_MAX", default=20)}
 else:
-    DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=60)
+    DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=0)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Redis holds only what may be rebuilt: rate-limit windows, breaker state, the broker's queue.
