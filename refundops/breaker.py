@@ -13,9 +13,9 @@ open → half-open after ``BREAKER_COOLDOWN_SECONDS``: agent refunds go through 
 half-open → closed after ``BREAKER_HALF_OPEN_PROBES`` approved refunds while the volume is
 normal; half-open → open again if a probe finds it still abnormal.
 
-Callers pass ``now`` (tests move it). Agent refund decisions are serialised by the platform row
-lock (refundops.locks.lock_platform), so these read-then-write steps do not race each other;
-the one transition that alerts (closed → open) is also guarded in Redis (HSETNX).
+Callers pass ``now`` (tests move it). The refunds service records a refund once its transaction
+commits. Racing records can at worst close a half-open breaker a probe early; the one transition
+that alerts (closed → open) is guarded in Redis (HSETNX), so operators hear of it once.
 """
 
 from __future__ import annotations

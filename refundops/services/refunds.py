@@ -151,7 +151,9 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     _fill_verdict(verdict, decision, totals).save()  # the refund points at it; the FK is checked at commit
     if refund is not None:
         if refund.status == RefundState.APPROVED and caller.is_agent:
-            breaker.record_refund(refund.amount_minor, refund.currency, now)
+            # Counted once committed, outside the lock; is_open above already fails closed without Redis.
+            amount, currency = refund.amount_minor, refund.currency
+            transaction.on_commit(lambda: breaker.record_refund(amount, currency, now), robust=True)
         record_audit(actor=caller.label, action=f"refund.{refund.status}", subject_type="refund",
                      subject_id=refund.pk, data={"verdict_id": verdict.id, "payment_id": payment.pk,
                                                  "amount_minor": refund.amount_minor,
