@@ -40,6 +40,17 @@ class RefundInput:
     agent: AgentContext
 
 
+def has_nul(data: Any) -> bool:
+    """PostgreSQL text and JSON cannot hold U+0000: such a body is refused, never stored."""
+    if isinstance(data, str):
+        return "\x00" in data
+    if isinstance(data, Mapping):
+        return any(has_nul(k) or has_nul(v) for k, v in data.items())
+    if isinstance(data, list):
+        return any(has_nul(v) for v in data)
+    return False
+
+
 def require_object(data: Any) -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
         raise ValidationFailed("body", "must be a JSON object")

@@ -127,7 +127,10 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "loggers": {"refundops": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")}},
+    "loggers": {
+        "refundops": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")},
+        "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
+    },
 }
 
 EMAIL_BACKEND = env("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend")
@@ -155,6 +158,7 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "ENUM_NAME_OVERRIDES": {"OutcomeEnum": ["approved", "held", "denied"]},
 }
 
 # Gateways: a refund always goes to the gateway and account that took the payment.

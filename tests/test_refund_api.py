@@ -126,3 +126,14 @@ def test_get_refund_and_payment(api, policy):
     lookup = api.get(f"/api/v1/payments/{payment.pk}/").json()
     assert lookup["amount_refundable"] == 700 and lookup["method"]["last4"] == "4242"
     assert api.get("/api/v1/refunds/rf_missing").json()["error"]["code"] == "REFUND_NOT_FOUND"
+
+
+def test_nul_characters_are_refused_by_the_service_for_every_face(agent_key, policy):
+    from refundops.callers import Caller
+    from refundops.services.refunds import request_refund
+
+    payment = make_payment()
+    answer = request_refund(caller=Caller.for_key(agent_key[0]), idempotency_key="k-nul",
+                            data={"transaction_id": payment.pk, "reason": "duplicate", "note": "a\x00b"})
+    assert answer.status == 400 and answer.code == "VALIDATION_ERROR"
+    assert not Refund.objects.exists() and not IdempotencyRecord.objects.exists()

@@ -13,6 +13,7 @@ from refundops.answers import Answer
 from refundops.api import schema
 from refundops.api.schema import KEY_CHECKS, POST_CHECKS
 from refundops.callers import Caller
+from refundops.inputs import has_nul
 from refundops.models import Capability
 from refundops.ratelimit import AgentRateThrottle
 from refundops.services import disputes, payments, refunds
@@ -32,7 +33,7 @@ class JSONBodyParser(JSONParser):
 
     def parse(self, stream, media_type=None, parser_context=None):
         data = super().parse(stream, media_type, parser_context)
-        if payments.has_nul(data):
+        if has_nul(data):
             raise ParseError("text must not contain NUL (\\u0000) characters")
         return data
 

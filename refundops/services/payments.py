@@ -32,6 +32,7 @@ from refundops.inputs import (
     AgentContext,
     ValidationFailed,
     agent_context,
+    has_nul,
     amount,
     reject_unknown,
     require_object,
@@ -53,17 +54,6 @@ FollowUp = Callable[[Callable[[Answer], None]], Answer]
 
 
 # -- the frame every guarded operation shares (disputes use it too) ---------------------------------
-
-def has_nul(data: Any) -> bool:
-    """PostgreSQL text and JSON cannot hold U+0000: such a body is refused, never stored."""
-    if isinstance(data, str):
-        return "\x00" in data
-    if isinstance(data, Mapping):
-        return any(has_nul(k) or has_nul(v) for k, v in data.items())
-    if isinstance(data, list):
-        return any(has_nul(v) for v in data)
-    return False
-
 
 def verdict_base(*, caller: Caller, operation: str, data: Any, idempotency_key: str,
                  path: Mapping[str, str]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from audit.services import record_audit
 from refundops import breaker, idempotency
 from refundops.answers import Answer, error_answer, suggested_message
 from refundops.callers import Caller
-from refundops.inputs import RefundInput, ValidationFailed, parse_refund
+from refundops.inputs import RefundInput, ValidationFailed, has_nul, parse_refund
 from refundops.locks import lock_payment, lock_platform
 from refundops.models import RESERVING_STATES, Payment, PlatformState, Refund, RefundState
 from refundops.policy import Decision, RefundAsk, Totals, evaluate_refund, policy_version
@@ -43,6 +43,11 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
     operation = CHECK if dry_run else CREATE
     base = {"operation": operation, "dry_run": dry_run, "idempotency_key": idempotency_key,
             "request": data if isinstance(data, dict) else {"body": data}, **caller.verdict_fields()}
+    if has_nul(data) or has_nul(idempotency_key):
+        message = "body: text must not contain NUL (\\u0000) characters"
+        verdict = Verdict.objects.create(**{**base, "request": {}, "idempotency_key": ""},
+                                         outcome=Verdict.Outcome.DENIED, code="VALIDATION_ERROR", message=message)
+        return error_answer("VALIDATION_ERROR", message, verdict_id=verdict.id, field="body")
     try:
         ask = parse_refund(data)
     except ValidationFailed as failed:
