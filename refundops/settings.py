@@ -178,6 +178,9 @@ PROCESSORS = {
     }},
 }
 
+# Where customers open sandbox payment links (the sandbox's hosted page is served by this app).
+PUBLIC_BASE_URL = env("PUBLIC_BASE_URL", default="http://127.0.0.1:8000").rstrip("/")
+
 # Payment worker retries when a gateway is down: exponential backoff with jitter, capped.
 REFUND_SUBMIT_MAX_RETRIES = env.int("REFUND_SUBMIT_MAX_RETRIES", default=12)
 REFUND_SUBMIT_BACKOFF_BASE_SECONDS = env.int("REFUND_SUBMIT_BACKOFF_BASE_SECONDS", default=5)

@@ -1,7 +1,10 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from refundops.pay_views import sandbox_payment_page
+
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("refundops.api.urls")),
+    path("pay/<str:link_id>", sandbox_payment_page, name="sandbox-payment-page"),
 ]

@@ -8,6 +8,7 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.exceptions import PermissionDenied
 from django.db import connection
@@ -220,9 +221,10 @@ def test_payment_link_for_an_amount_owed_is_sent_and_tracked_until_paid(api, tem
                                                    "template": template.pk, "amount": 5_000})
     assert response.status_code == 201, response.json()
     link = response.json()["payment_link"]
-    assert link["id"].startswith("pl_") and link["url"] == f"/pay/{link['id']}" and link["status"] == "sent"
+    url = f"{settings.PUBLIC_BASE_URL}/pay/{link['id']}"
+    assert link["id"].startswith("pl_") and link["url"] == url and link["status"] == "sent"
     assert link["message"] == (f"Hi {payment.customer.name}, please pay 50.00 USD for "
-                               f"{payment.order_reference}: /pay/{link['id']}")
+                               f"{payment.order_reference}: {url}")
     assert PaymentLink.objects.get(pk=link["id"]).verdict_id == response.json()["verdict"]["id"]
     paid = payments.mark_payment_link_paid(link_id=link["id"], actor="system:webhook")
     assert paid.status == "paid" and paid.paid_at is not None

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Sum
 from django.utils import timezone
@@ -417,7 +418,7 @@ def _decide_link(*, caller: Caller, ask: LinkInput, base: dict[str, Any]) -> tup
                  subject_id=link.pk, data={"verdict_id": verdict.id, "payment_id": payment.pk,
                                            "amount_minor": link.amount_minor, "template": template.pk})
     if local:
-        _fill_link(link, url=f"/pay/{link.pk}", processor_link_id="", actor=caller.label)
+        _fill_link(link, url=f"{settings.PUBLIC_BASE_URL}/pay/{link.pk}", processor_link_id="", actor=caller.label)
         return Answer(201, _link_body(link, verdict)), None
 
     def follow_up(store: Callable[[Answer], None]) -> Answer:

@@ -21,6 +21,7 @@ from refundops.models import (
     Customer,
     HoldRules,
     Payment,
+    PaymentLinkTemplate,
     PlatformState,
     Reason,
     RefundLimits,
@@ -136,11 +137,15 @@ class Command(BaseCommand):
         for currency in ("USD", "EUR"):
             ApprovalAuthority.objects.create(user=approver, currency=currency, max_amount_minor=100_000)
 
+        template = PaymentLinkTemplate.objects.create(
+            name="Balance due", approved_by=approver, approved_at=now,
+            message="Hi $customer_name, the balance of $amount for order $order_reference is due. "
+                    "You can pay it here: $url")
         agent = Agent.objects.create(name="demo-support-bot", owner="Customer service",
                                      capabilities=list(Capability.values))
         raw, prefix, digest = generate_key()
         AgentKey.objects.create(agent=agent, prefix=prefix, key_hash=digest)
-        return {"payments": payments, "staff": staff,
+        return {"payments": payments, "staff": staff, "payment_link_template": template.pk,
                 "agent": {"id": agent.pk, "name": agent.name, "capabilities": agent.capabilities,
                           "key": raw, "key_prefix": prefix},
                 "limits": {"currency": "USD", "approval_threshold": 20_000, "customer_daily_count": 5,
