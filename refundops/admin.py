@@ -56,10 +56,6 @@ from refundops.services import agents
 from refundops.services.refunds import request_refund
 
 
-def _money(minor: int, currency: str) -> str:
-    return format_minor(minor, currency)
-
-
 def _safe_next(request: HttpRequest, default: str) -> str:
     target = request.POST.get("next") or request.GET.get("next") or ""
     if url_has_allowed_host_and_scheme(target, allowed_hosts={request.get_host()},
@@ -101,7 +97,7 @@ class RefundInline(admin.TabularInline):
 
     @admin.display(description="amount")
     def amount(self, obj: Refund) -> str:
-        return _money(obj.amount_minor, obj.currency)
+        return format_minor(obj.amount_minor, obj.currency)
 
     @admin.display(description="verdict")
     def verdict_link(self, obj: Refund) -> str:
@@ -124,7 +120,7 @@ class DisputeInline(admin.TabularInline):
 
     @admin.display(description="amount")
     def amount(self, obj: Dispute) -> str:
-        return _money(obj.amount_minor, obj.currency)
+        return format_minor(obj.amount_minor, obj.currency)
 
 
 class StaffRefundForm(forms.Form):
@@ -182,23 +178,23 @@ class PaymentAdmin(ReadOnlyHistoryAdmin):
 
     @admin.display(description="authorised")
     def authorized(self, obj: Payment) -> str:
-        return _money(obj.amount_authorized_minor, obj.currency)
+        return format_minor(obj.amount_authorized_minor, obj.currency)
 
     @admin.display(description="captured", ordering="amount_captured_minor")
     def captured(self, obj: Payment) -> str:
-        return _money(obj.amount_captured_minor, obj.currency)
+        return format_minor(obj.amount_captured_minor, obj.currency)
 
     @admin.display(description="refunded", ordering="amount_refunded_minor")
     def refunded(self, obj: Payment) -> str:
-        return _money(obj.amount_refunded_minor, obj.currency)
+        return format_minor(obj.amount_refunded_minor, obj.currency)
 
     @admin.display(description="refund pending")
     def pending(self, obj: Payment) -> str:
-        return _money(obj.amount_reserved_minor, obj.currency)
+        return format_minor(obj.amount_reserved_minor, obj.currency)
 
     @admin.display(description="refundable")
     def refundable(self, obj: Payment) -> str:
-        return _money(max(obj.refundable_minor, 0), obj.currency)
+        return format_minor(max(obj.refundable_minor, 0), obj.currency)
 
     @admin.display(description="order amount")
     def order_amount(self, obj: Payment) -> str:
@@ -206,7 +202,7 @@ class PaymentAdmin(ReadOnlyHistoryAdmin):
 
     @admin.display(description="still owed")
     def owed(self, obj: Payment) -> str:
-        return _money(obj.amount_owed_minor, obj.currency)
+        return format_minor(obj.amount_owed_minor, obj.currency)
 
     @admin.display(description="method")
     def method(self, obj: Payment) -> str:
@@ -239,7 +235,7 @@ class PaymentAdmin(ReadOnlyHistoryAdmin):
                                     idempotency_key=form.cleaned_data["idempotency_key"])
             if answer.ok:
                 refund = answer.body["refund"]
-                text = f"Refund {refund['id']} of {_money(refund['amount'], refund['currency'])}: {refund['status']}"
+                text = f"Refund {refund['id']} of {format_minor(refund['amount'], refund['currency'])}: {refund['status']}"
                 if refund["status"] == RefundState.HELD:
                     messages.warning(request, f"{text}, held for a person ({', '.join(refund['hold_reasons'])}).")
                 else:
@@ -253,8 +249,8 @@ class PaymentAdmin(ReadOnlyHistoryAdmin):
         context = {
             **self.admin_site.each_context(request), "opts": self.opts, "title": f"Refund payment {payment.pk}",
             "payment": payment, "form": form,
-            "refundable": _money(max(payment.refundable_minor, 0), payment.currency),
-            "captured": _money(payment.amount_captured_minor, payment.currency),
+            "refundable": format_minor(max(payment.refundable_minor, 0), payment.currency),
+            "captured": format_minor(payment.amount_captured_minor, payment.currency),
         }
         return TemplateResponse(request, "admin/refundops/payment/refund_form.html", context)
 
@@ -288,7 +284,7 @@ def _authority_note(refund: Refund, user, authorities: dict[str, int]) -> str:
     if limit is None:
         return f"no authority in {refund.currency}"
     if refund.amount_minor > limit:
-        return f"above your authority of {_money(limit, refund.currency)}"
+        return f"above your authority of {format_minor(limit, refund.currency)}"
     return "within your authority"
 
 
@@ -329,7 +325,7 @@ class RefundAdmin(ReadOnlyHistoryAdmin):
 
     @admin.display(description="amount", ordering="amount_minor")
     def amount(self, obj: Refund) -> str:
-        return _money(obj.amount_minor, obj.currency)
+        return format_minor(obj.amount_minor, obj.currency)
 
     @admin.display(description="requested by")
     def requester(self, obj: Refund) -> str:
@@ -413,13 +409,13 @@ class RefundAdmin(ReadOnlyHistoryAdmin):
         authorities = dict(ApprovalAuthority.objects.filter(user=request.user, is_active=True)
                            .values_list("currency", "max_amount_minor"))
         expiry = timedelta(hours=settings.HELD_REFUND_EXPIRY_HOURS)
-        rows = [{"refund": r, "amount": _money(r.amount_minor, r.currency), "requester": _requester(r),
+        rows = [{"refund": r, "amount": format_minor(r.amount_minor, r.currency), "requester": _requester(r),
                  "authority": _authority_note(r, request.user, authorities), "expires_at": r.created_at + expiry}
                 for r in held]
         context = {
             **self.admin_site.each_context(request), "opts": self.opts, "title": "Held refunds",
             "rows": rows, "can_decide": self.has_approve_permission(request),
-            "authorities": [_money(v, c) for c, v in sorted(authorities.items())],
+            "authorities": [format_minor(v, c) for c, v in sorted(authorities.items())],
             "expiry_hours": settings.HELD_REFUND_EXPIRY_HOURS,
         }
         return TemplateResponse(request, "admin/refundops/refund/held_queue.html", context)
@@ -761,7 +757,7 @@ class PaymentLinkAdmin(ReadOnlyHistoryAdmin):
 
     @admin.display(description="amount")
     def amount(self, obj: PaymentLink) -> str:
-        return _money(obj.amount_minor, obj.currency)
+        return format_minor(obj.amount_minor, obj.currency)
 
 
 class EvidenceDraftInline(admin.StackedInline):
@@ -796,12 +792,12 @@ class DisputeAdmin(ReadOnlyHistoryAdmin):
 
     @admin.display(description="amount")
     def amount(self, obj: Dispute) -> str:
-        return _money(obj.amount_minor, obj.currency)
+        return format_minor(obj.amount_minor, obj.currency)
 
     @admin.display(description="refunded on the payment")
     def refunded(self, obj: Dispute) -> str:
         payment = obj.payment
-        return _money(payment.amount_refunded_minor + payment.amount_reserved_minor, payment.currency)
+        return format_minor(payment.amount_refunded_minor + payment.amount_reserved_minor, payment.currency)
 
 
 @admin.register(DisputeEvidenceDraft)
