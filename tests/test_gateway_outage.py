@@ -32,6 +32,12 @@ def approved_refund(payment, amount: int = 1_000) -> Refund:
                                  reason="duplicate", status=S.APPROVED)
 
 
+def ask_refund(api, payment, amount: int) -> str:
+    response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": amount, "reason": "duplicate"})
+    assert response.status_code == 201, response.json()
+    return response.json()["refund"]["id"]
+
+
 def refund_calls(fake: FakeStripe) -> int:
     with fake.lock:
         return sum(1 for r in fake.received if r.method == "POST" and r.path == "/v1/refunds")
@@ -165,9 +171,7 @@ def test_every_refund_is_paid_exactly_once_after_an_outage(settings, api, policy
     stripe_fake.set_mode(outage)
     payments = [stripe_payment(stripe_fake, 5_000) for _ in range(10)]
 
-    ids = [post(api, "/api/v1/refunds", {"transaction_id": p.pk, "amount": 1_000 + i,
-                                         "reason": "duplicate"}).json()["refund"]["id"]
-           for i, p in enumerate(payments)]
+    ids = [ask_refund(api, p, 1_000 + i) for i, p in enumerate(payments)]
 
     wait_for(lambda: breaker.state("stripe", "default").phase == "open", what="the breaker to open")
     assert set(Refund.objects.filter(pk__in=ids).values_list("status", flat=True)) == {S.APPROVED}
@@ -191,8 +195,7 @@ def test_a_slow_gateway_that_answered_after_we_gave_up_is_not_paid_twice(setting
     stripe_fake.set_mode("slow", slow_seconds=1.0)  # Stripe makes the refund; we have stopped listening
     payments = [stripe_payment(stripe_fake, 5_000) for _ in range(3)]
 
-    ids = [post(api, "/api/v1/refunds", {"transaction_id": p.pk, "amount": 700,
-                                         "reason": "duplicate"}).json()["refund"]["id"] for p in payments]
+    ids = [ask_refund(api, p, 700) for p in payments]
     wait_for(lambda: stripe_fake.refund_count == 3, what="the slow gateway to make all three")
     stripe_fake.set_mode("up")
 
@@ -208,8 +211,7 @@ def test_a_rate_limited_gateway_gets_every_refund_once_it_lets_us_in(settings, a
     stripe_fake.set_mode("rate_limited", retry_after=1)
     payments = [stripe_payment(stripe_fake, 5_000) for _ in range(3)]
 
-    ids = [post(api, "/api/v1/refunds", {"transaction_id": p.pk, "amount": 900,
-                                         "reason": "duplicate"}).json()["refund"]["id"] for p in payments]
+    ids = [ask_refund(api, p, 900) for p in payments]
     wait_for(lambda: refund_calls(stripe_fake) >= 3, what="the first tries")
     stripe_fake.set_mode("up")
 
