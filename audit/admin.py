@@ -165,7 +165,7 @@ class VerdictAdmin(ReadOnlyAdmin):
 class AuditEntryAdmin(ReadOnlyAdmin):
     list_display = ["seq", "created_at", "actor", "action", "subject_type", "subject_id", "summary"]
     list_filter = ["action", "subject_type"]
-    search_fields = ["actor", "action", "subject_type", "subject_id"]
+    search_fields = ["actor", "action", "subject_type", "subject_id", "data"]  # data: e.g. a payment id inside
     date_hierarchy = "created_at"
     show_full_result_count = False
     fields = ["seq", "created_at", "actor", "action", "subject_type", "subject_id", "data_rendered",

@@ -204,7 +204,7 @@ def test_platform_switch_actions_go_through_the_audited_service(client, world, r
     assert list(AuditEntry.objects.filter(action__in=["killswitch.on", "agents.disabled"])
                 .values_list("actor", flat=True)) == ["user:root", "user:root"]
     page = client.get(reverse("admin:refundops_dashboard")).content.decode()
-    assert "Kill switch <span class=\"figure\">ON</span>" in page
+    assert re.search(r'Kill switch(</a>)? <span class="figure">ON</span>', page)
 
 
 def test_revoking_keys_from_the_admin_is_audited_and_the_hash_is_never_shown(client, world, root):
@@ -278,3 +278,10 @@ def test_dashboard_reports_count_people_not_agents_and_follow_each_hold_to_its_e
     assert (usd.days[-1].count, usd.days[-1].amount_minor) == (2, 11_500)  # approved 25.00 + 90.00
     assert [c.currency for c in data.per_currency] == ["USD"]  # a rejected refund no longer counts
     assert sum(data.duplicates_by_day.values()) == 1 and data.held_now == 0
+
+
+def test_auditors_find_audit_entries_by_an_id_inside_their_data(client, world, root):
+    listing = client.get(reverse("admin:audit_auditentry_changelist"), {"q": world.held.payment_id})
+    assert listing.status_code == 200
+    found = list(listing.context["cl"].result_list)
+    assert [e.subject_id for e in found] == [world.held.pk] and found[0].data["payment_id"] == world.held.payment_id
