@@ -27,6 +27,7 @@ from audit.ids import new_id
 from audit.services import record_audit
 from processors import signing
 from refundops.models import MerchantEndpoint, Refund, WebhookDelivery
+from refundops.services.refunds import refund_json
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,6 @@ def _queue_event(refund: Refund, *, event_type: str, status: str,
     endpoints = [e for e in MerchantEndpoint.objects.filter(active=True) if e.wants(event_type)]
     if not endpoints:
         return []
-    from refundops.services.refunds import refund_json  # the services import the models module
-
     now = timezone.now()
     event_id = new_id("evt")
     payload = {"id": event_id, "object": "event", "type": event_type, "created": int(now.timestamp()),

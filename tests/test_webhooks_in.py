@@ -439,3 +439,23 @@ def test_a_sandbox_dispute_opens_and_closes_on_the_payment(web, gateways):
     assert payment.dispute_status == Payment.Dispute.LOST
     assert [e.action for e in AuditEntry.objects.filter(subject_id=payment.pk).order_by("seq")] == [
         "dispute.opened", "dispute.lost"]
+
+
+def test_a_failure_of_our_refund_before_the_worker_recorded_it_is_asked_for_again(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund = Refund.objects.create(payment=payment, amount_minor=1_000, currency="USD", reason="duplicate",
+                                   status=S.APPROVED)
+    request = RefundRequest(payment=payouts.payment_ref(payment), amount=refund.money, reason=refund.reason,
+                            idempotency_key=payouts.gateway_idempotency_key(refund), refund_id=refund.pk,
+                            verdict_id="")
+    re_id = get_processor("stripe").refund(request).processor_refund_id  # the worker's call, unrecorded
+    stripe_fake.set_refund_status(re_id, "failed")
+    event = stripe_event("charge.refund.updated", refund_object(stripe_fake, re_id))
+
+    early = post_stripe_event(web, event)
+    payouts.submit_refund(refund_id=refund.pk)  # the worker records its answer: the same gateway refund
+    later = post_stripe_event(web, event)
+
+    assert (early.status_code, early["Retry-After"], later.status_code) == (503, "60", 200)
+    refund.refresh_from_db()
+    assert refund.status == S.FAILED and refund.processor_refund_id == re_id

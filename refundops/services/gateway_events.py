@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from audit.models import Verdict
 from audit.services import record_audit
-from processors.base import RefundResult, WebhookEvent
+from processors.base import ProcessorUnavailable, RefundResult, WebhookEvent
 from processors.registry import get_processor
 from processors.stripe import StripeProcessor
 from refundops.locks import lock_payment
@@ -32,6 +32,7 @@ from refundops.services.refunds import estimate_arrival, sync_payment_amounts
 
 log = logging.getLogger(__name__)
 ACTOR = "system:gateway"
+NOT_READY_RETRY_SECONDS = 60
 
 # Events whose object is a refund (or, for charge.refunded, a charge listing its refunds).
 REFUND_EVENTS: dict[str, frozenset[str]] = {
@@ -50,6 +51,14 @@ STRIPE_REASONS = {"duplicate": Reason.DUPLICATE, "fraudulent": Reason.FRAUDULENT
 # chargeback (warning_closed) and a prevented dispute cost nothing: won.
 DISPUTE_STATUSES = {"won": Dispute.Status.WON, "lost": Dispute.Status.LOST,
                     "warning_closed": Dispute.Status.WON, "prevented": Dispute.Status.WON}
+
+
+class NotReady(ProcessorUnavailable):
+    """The event names our refund while the worker is still recording the gateway's first answer
+    for it: ask the gateway to send the event again later, when it can be matched."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="not_ready", retry_after=NOT_READY_RETRY_SECONDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +123,7 @@ def _refund_clues(processor: str, data: Mapping[str, Any]) -> RefundClues:
         refund_reference=str(data["id"]),
         payment_references=tuple(str(ref) for ref in (data.get("payment_intent"), data.get("charge")) if ref),
         our_refund_id=str(metadata.get("refund_id") or ""),
-        reason=metadata.get("our_reason") or STRIPE_REASONS.get(str(data.get("reason")), Reason.CUSTOMER_REQUEST))
+        reason=STRIPE_REASONS.get(str(data.get("reason")), Reason.CUSTOMER_REQUEST))
 
 
 def _find_payment(processor: str, account: str, references: tuple[str, ...]) -> Payment | None:
@@ -146,6 +155,8 @@ def apply_refund_news(*, processor: str, account: str, clues: RefundClues, event
         after = record_gateway_result(refund_id=ours.pk, result=result).status
         return f"{ours.pk}: {before} → {after}" if after != before else f"{ours.pk}: already {after}"
     if result.status not in ("pending", "succeeded"):
+        if Refund.objects.filter(pk=clues.our_refund_id, status=RefundState.APPROVED, processor_refund_id="").exists():
+            raise NotReady(f"{clues.our_refund_id} is still being submitted; its own answer comes first")
         return f"{result.processor_refund_id} is {result.status} and was never ours: nothing to record"
     payment = _find_payment(processor, account, clues.payment_references)
     if payment is None:
