@@ -25,7 +25,9 @@ def start_of_day(now: datetime) -> datetime:
 
 # One round trip: the service reads these while it holds the lock that serialises every refund
 # decision (refundops.locks.lock_platform), so each statement there costs all agents time.
-# Scalar subqueries let each scope use its own index (customer via the payment, agent, day, payment).
+# Scalar subqueries let each scope use its own index (customer via the payment, agent, day, payment);
+# the customer's refunds are found through the customer's payments (OFFSET 0 keeps the planner
+# from turning that into a scan of every recent refund).
 _TOTALS_SQL = """
 SELECT
   (SELECT COUNT(*) FROM {refund} WHERE payment_id = %(payment)s AND status = ANY(%(states)s)
@@ -41,9 +43,12 @@ FROM
           COUNT(*) FILTER (WHERE r.created_at >= %(month)s) AS month_count,
           COALESCE(SUM(r.amount_minor) FILTER (WHERE r.created_at >= %(month)s), 0) AS month_sum,
           COUNT(*) FILTER (WHERE r.created_at >= %(velocity)s) AS velocity
-     FROM {refund} r JOIN {payment} p ON p.id = r.payment_id
-    WHERE p.customer_id = %(customer)s AND r.status = ANY(%(states)s) AND r.currency = %(currency)s
-      AND r.created_at >= LEAST(%(month)s, %(velocity)s) AND r.id <> %(exclude)s) c,
+     FROM {payment} p CROSS JOIN LATERAL (
+          SELECT amount_minor, created_at FROM {refund}
+           WHERE payment_id = p.id AND status = ANY(%(states)s) AND currency = %(currency)s
+             AND created_at >= LEAST(%(month)s, %(velocity)s) AND id <> %(exclude)s
+          OFFSET 0) r
+    WHERE p.customer_id = %(customer)s) c,
   (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE created_at >= %(hour)s), 0) AS hour_sum,
           COALESCE(SUM(amount_minor) FILTER (WHERE created_at >= %(day)s), 0) AS day_sum,
           COALESCE(SUM(amount_minor) FILTER (WHERE %(session)s <> '' AND agent_session_id = %(session)s), 0)

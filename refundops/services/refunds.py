@@ -138,19 +138,19 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     # decision taken without the lock; then the lock is taken and the decision taken again on
     # totals that include every committed refund. Almost always it stands; if not, the writes
     # are undone and redone under the lock.
-    savepoint = transaction.savepoint()
-    refund = _write_refund(caller=caller, payment=payment, ask=ask, decision=decision, verdict=verdict,
-                           now=now, idempotency_key=idempotency_key)
-    platform = lock_platform()
-    confirmed, totals = decide(platform, exclude_refund_id=refund.pk if refund else "")
-    if _outcome_key(confirmed) != _outcome_key(decision):
-        transaction.savepoint_rollback(savepoint)  # also lets go of the lock taken after it
+    try:
+        with transaction.atomic():  # a savepoint; on_commit callbacks made inside go if it is undone
+            refund = _write_refund(caller=caller, payment=payment, ask=ask, decision=decision, verdict=verdict,
+                                   now=now, idempotency_key=idempotency_key)
+            platform = lock_platform()
+            confirmed, totals = decide(platform, exclude_refund_id=refund.pk if refund else "")
+            if _outcome_key(confirmed) != _outcome_key(decision):
+                raise _Overturned
+    except _Overturned:  # undoing the savepoint also let go of the lock taken inside it
         platform = lock_platform()
         confirmed, totals = decide(platform)
         refund = _write_refund(caller=caller, payment=payment, ask=ask, decision=confirmed, verdict=verdict,
                                now=now, idempotency_key=idempotency_key)
-    else:
-        transaction.savepoint_commit(savepoint)
     decision = confirmed
     verdict.refund_id = refund.pk if refund else ""
     _fill_verdict(verdict, decision, totals).save()  # the refund points at it; the FK is checked at commit
@@ -170,6 +170,10 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
         extra = {"refund_id": refund.pk} if refund else {}
         return error_answer(decision.code, decision.message, verdict_id=verdict.id, **extra)
     return _created_answer(refund, decision, verdict, payment, totals, limits)
+
+
+class _Overturned(Exception):
+    """The decision taken without the platform lock does not stand under it."""
 
 
 def _outcome_key(decision: Decision) -> tuple[Any, ...]:
