@@ -24,6 +24,8 @@ class ApprovalError(ApiError):
 
 
 def ensure_approval_authority(*, approver, refund: Refund) -> None:
+    if not approver.has_perm("refundops.approve_refund"):
+        raise ApprovalError("APPROVAL_NOT_AUTHORIZED", f"{approver.get_username()} may not decide held refunds.")
     authority = ApprovalAuthority.objects.filter(user=approver, currency=refund.currency, is_active=True).first()
     if authority is None:
         raise ApprovalError("APPROVAL_NOT_AUTHORIZED",

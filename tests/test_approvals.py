@@ -104,10 +104,13 @@ def test_rejecting_releases_the_reservation_and_records_who_and_why(held_policy)
     assert AuditEntry.objects.get(action="refund.rejected", subject_id=refund.pk).actor == "user:alice"
 
 
-def test_rejecting_needs_the_permission_to_decide(held_policy):
+@pytest.mark.parametrize("decide", [approve_refund, reject_refund])
+def test_approving_or_rejecting_needs_the_permission_to_decide(held_policy, decide):
     refund = held_refund()
     with pytest.raises(ApprovalError, match="may not decide held refunds"):
-        reject_refund(refund_id=refund.pk, approver=approver(can_decide=False))
+        decide(refund_id=refund.pk, approver=approver(can_decide=False))
+    refund.refresh_from_db()
+    assert refund.status == RefundState.HELD
 
 
 def test_a_refund_that_is_not_held_cannot_be_approved_or_rejected(held_policy):

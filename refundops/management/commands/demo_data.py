@@ -35,7 +35,7 @@ STAFF = {
     "operator": ("Operators", "kill switch, agents and keys, sandbox gateway"),
 }
 GROUP_PERMISSIONS = {
-    "Finance approvers": ["view_payment", "view_refund", "change_refund", "approve_refund", "view_verdict",
+    "Finance approvers": ["view_payment", "view_refund", "add_refund", "change_refund", "approve_refund", "view_verdict",
                           "view_refundlimits", "add_refundlimits", "change_refundlimits", "view_customer",
                           "view_historicalrefund", "view_auditentry", "view_approvalauthority"],
     "Auditors": ["view_payment", "view_refund", "view_verdict", "view_auditentry", "view_customer",
