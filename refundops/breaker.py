@@ -50,8 +50,9 @@ def setting(name: str) -> float:
     return float(getattr(settings, name, DEFAULTS[name]))
 
 
-def _bucket_key(minute: int) -> str:
-    return f"refundops:{{breaker}}:m:{minute}"
+def _series_key(what: str) -> str:
+    """One hash per series, a field per minute: two HMGETs read the whole baseline."""
+    return f"refundops:{{breaker}}:{what}"
 
 
 def _phase(state: dict[bytes, bytes], now: datetime) -> Phase:
@@ -81,19 +82,22 @@ def record_refund(amount_minor: int, currency: str, now: datetime) -> None:
     window = int(setting("BREAKER_WINDOW_MINUTES"))
     baseline = int(setting("BREAKER_BASELINE_MINUTES"))
     minute = int(now.timestamp() // 60)
-    keys = [_bucket_key(m) for m in range(minute - window - baseline + 1, minute + 1)]
-    value_field = f"v:{currency}"
+    minutes = list(range(minute - window - baseline + 1, minute + 1))
+    stale = range(minutes[0] - 10, minutes[0])  # fields of minutes now past the baseline
+    counts, values = _series_key("n"), _series_key(f"v:{currency}")
     client = redis_client()
     try:
         pipe = client.pipeline(transaction=True)
-        pipe.hincrby(keys[-1], "n", 1)
-        pipe.hincrby(keys[-1], value_field, amount_minor)
-        pipe.expire(keys[-1], (window + baseline + 1) * 60)
-        for key in keys:
-            pipe.hmget(key, "n", value_field)
+        pipe.hincrby(counts, minute, 1)
+        pipe.hincrby(values, minute, amount_minor)
+        pipe.hmget(counts, minutes)
+        pipe.hmget(values, minutes)
+        for key in (counts, values):
+            pipe.hdel(key, *stale)
+            pipe.expire(key, (window + baseline + 1) * 60)
         pipe.hgetall(STATE_KEY)
         replies = pipe.execute()
-        buckets = [(int(n or 0), int(v or 0)) for n, v in replies[3:-1]]
+        buckets = [(int(n or 0), int(v or 0)) for n, v in zip(replies[2], replies[3])]
         phase = _phase(replies[-1], now)
         base, recent = buckets[:baseline], buckets[baseline:]
         count, value = sum(n for n, _ in recent), sum(v for _, v in recent)
