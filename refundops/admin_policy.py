@@ -14,7 +14,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db import transaction
-from django.db.models import Model
+from django.db.models import Model, OuterRef, Subquery
 
 from audit.services import record_audit
 from processors.money import format_minor
@@ -67,8 +67,18 @@ class VersionedAdmin(admin.ModelAdmin):
     def series(self, obj: Model):
         return type(obj).objects.filter(**{f: getattr(obj, f) for f in self.series_fields})
 
+    def get_queryset(self, request):
+        # The series' latest version beside each row: one query for the whole changelist.
+        queryset = super().get_queryset(request)
+        latest = (queryset.model.objects.filter(**{f: OuterRef(f) for f in self.series_fields})
+                  .order_by("-version").values("version")[:1])
+        return queryset.annotate(latest_version=Subquery(latest))
+
     def is_current(self, obj: Model) -> bool:
-        return not self.series(obj).filter(version__gt=obj.version).exists()
+        latest = getattr(obj, "latest_version", None)
+        if latest is None:
+            return not self.series(obj).filter(version__gt=obj.version).exists()
+        return obj.version >= latest
 
     @admin.display(boolean=True, description="current")
     def current(self, obj: Model) -> bool:
