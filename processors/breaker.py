@@ -43,10 +43,11 @@ class BreakerState:
 
 
 def _setting(name: str) -> float:
-    if name == "GATEWAY_BREAKER_COOLDOWN_SECONDS" and not hasattr(settings, name):
-        # Unset: never rest longer than the worker's own longest backoff would wait anyway.
-        return min(DEFAULTS[name], float(getattr(settings, "REFUND_SUBMIT_BACKOFF_MAX_SECONDS", DEFAULTS[name])))
-    return float(getattr(settings, name, DEFAULTS[name]))
+    value = float(getattr(settings, name, DEFAULTS[name]))
+    if name == "GATEWAY_BREAKER_COOLDOWN_SECONDS":
+        # Never rest longer than the worker's own longest backoff would wait anyway.
+        value = min(value, float(getattr(settings, "REFUND_SUBMIT_BACKOFF_MAX_SECONDS", value)))
+    return value
 
 
 def _client() -> redis.Redis:

@@ -100,7 +100,9 @@ CELERY_TASK_ACKS_LATE = True  # a worker that dies mid-task leaves the task to b
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
-CELERY_TASK_ROUTES = {"refundops.tasks.submit_refund": {"queue": "payments"}}
+CELERY_TASK_ROUTES = ("refundops.tasks.route_payment_task",)
+# What a worker serving every queue consumes; run one worker per gateway queue to isolate them.
+CELERY_WORKER_QUEUES = ["default", "payments.sandbox", "payments.stripe", "payments.paypal"]
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_BEAT_SCHEDULE = {
     "sync-submitted-refunds": {"task": "refundops.tasks.sync_submitted_refunds",
@@ -180,6 +182,15 @@ PROCESSORS = {
 
 # Where customers open sandbox payment links (the sandbox's hosted page is served by this app).
 PUBLIC_BASE_URL = env("PUBLIC_BASE_URL", default="http://127.0.0.1:8000").rstrip("/")
+
+# Gateway health and our own webhooks (defaults suit production; tests shorten them).
+REFUND_SYNC_AFTER_SECONDS = env.int("REFUND_SYNC_AFTER_SECONDS", default=120)
+GATEWAY_BREAKER_THRESHOLD = env.int("GATEWAY_BREAKER_THRESHOLD", default=5)
+GATEWAY_BREAKER_COOLDOWN_SECONDS = env.float("GATEWAY_BREAKER_COOLDOWN_SECONDS", default=30)
+WEBHOOK_MAX_ATTEMPTS = env.int("WEBHOOK_MAX_ATTEMPTS", default=10)
+WEBHOOK_BACKOFF_BASE_SECONDS = env.int("WEBHOOK_BACKOFF_BASE_SECONDS", default=10)
+WEBHOOK_BACKOFF_MAX_SECONDS = env.int("WEBHOOK_BACKOFF_MAX_SECONDS", default=21600)
+WEBHOOK_TIMEOUT_SECONDS = env.int("WEBHOOK_TIMEOUT_SECONDS", default=10)
 
 # Payment worker retries when a gateway is down: exponential backoff with jitter, capped.
 REFUND_SUBMIT_MAX_RETRIES = env.int("REFUND_SUBMIT_MAX_RETRIES", default=12)

@@ -19,6 +19,18 @@ from refundops.services import payouts
 log = logging.getLogger(__name__)
 
 
+PAYMENT_TASKS = ("refundops.tasks.submit_refund", "refundops.tasks.sync_refund")
+
+
+def route_payment_task(name, args, kwargs, options, task=None, **kw):
+    """One queue per gateway (``payments.stripe``, …), so a slow gateway does not starve the others."""
+    if name not in PAYMENT_TASKS:
+        return None
+    processor = (Refund.objects.filter(pk=(kwargs or {}).get("refund_id"))
+                 .values_list("payment__processor", flat=True).first())
+    return {"queue": f"payments.{processor or 'sandbox'}"}
+
+
 def enqueue_submission(refund_id: str) -> None:
     """Hand an approved refund to the worker once the approving transaction commits."""
     transaction.on_commit(lambda: submit_refund.delay(refund_id=refund_id))
@@ -78,7 +90,7 @@ def sync_submitted_refunds(*, older_than_seconds: int | None = None, limit: int 
     """Poll the gateway for refunds submitted longer than ``REFUND_SYNC_AFTER_SECONDS`` ago:
     their webhook may have been lost. Younger ones still have their own follow-up syncs."""
     if older_than_seconds is None:
-        older_than_seconds = getattr(settings, "REFUND_SYNC_AFTER_SECONDS", 120)
+        older_than_seconds = settings.REFUND_SYNC_AFTER_SECONDS
     cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
     ids = list(Refund.objects.filter(status=RefundState.SUBMITTED, submitted_at__lte=cutoff)
                .order_by("submitted_at").values_list("pk", flat=True)[:limit])

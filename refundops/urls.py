@@ -6,5 +6,6 @@ from refundops.pay_views import sandbox_payment_page
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("refundops.api.urls")),
+    path("webhooks/", include("refundops.webhook_urls")),
     path("pay/<str:link_id>", sandbox_payment_page, name="sandbox-payment-page"),
 ]

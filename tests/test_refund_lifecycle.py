@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-from celery.contrib.testing.worker import start_worker
 from django.db import connection
 from django_fsm import TransitionNotAllowed
 
@@ -18,6 +17,7 @@ from refundops.celery import app as celery_app
 from refundops.models import Refund, RefundState
 from refundops.services import payouts
 from tests.conftest import make_payment, post
+from tests.fakes.fixtures import worker  # noqa: F401 - a real Celery worker in a thread
 
 S = RefundState
 # Every transition method and the states it may start from (the contract's diagram).
@@ -66,21 +66,6 @@ def test_the_state_field_cannot_be_set_directly():
     refund = Refund(amount_minor=1, currency="USD", reason="duplicate")
     with pytest.raises(AttributeError):
         refund.status = S.SETTLED
-
-
-@pytest.fixture
-def worker(settings):
-    """A real Celery worker in a thread, on the Redis broker, with quick retries."""
-    settings.REFUND_SUBMIT_BACKOFF_BASE_SECONDS = 0.2
-    settings.REFUND_SUBMIT_BACKOFF_MAX_SECONDS = 0.5
-    settings.REFUND_FIRST_SYNC_SECONDS = 0.3
-    celery_app.conf.task_always_eager = False
-    celery_app.conf.broker_url = settings.REDIS_URL
-    with start_worker(celery_app, pool="threads", concurrency=2, perform_ping_check=False,
-                      queues=["default", "payments"],
-                      loglevel="WARNING", shutdown_timeout=10):
-        yield
-    celery_app.conf.task_always_eager = True
 
 
 @pytest.fixture

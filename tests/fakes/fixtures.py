@@ -98,7 +98,7 @@ def worker(settings) -> Iterator[None]:
     broker = celery_app.conf.broker_url
     celery_app.conf.broker_url = settings.REDIS_URL
     with start_worker(celery_app, pool="threads", concurrency=4, perform_ping_check=False,
-                      queues=["default", "payments"], loglevel="WARNING", shutdown_timeout=10):
+                      queues=settings.CELERY_WORKER_QUEUES, loglevel="WARNING", shutdown_timeout=10):
         yield
     celery_app.conf.broker_url = broker
     celery_app.conf.task_always_eager = True
