@@ -7,7 +7,7 @@ from django.contrib import admin
 from audit.admin import ReadOnlyAdmin
 from audit.services import record_audit
 from processors import sandbox
-from processors.models import SandboxCharge, SandboxControl, SandboxRefund
+from processors.models import InboundEvent, SandboxCharge, SandboxControl, SandboxRefund
 from processors.money import format_minor
 
 
@@ -65,3 +65,19 @@ class SandboxRefundAdmin(ReadOnlyAdmin):
     @admin.display(description="amount")
     def amount(self, obj: SandboxRefund) -> str:
         return format_minor(obj.amount_minor, obj.currency)
+
+
+@admin.register(InboundEvent)
+class InboundEventAdmin(ReadOnlyAdmin):
+    """Every event a gateway sent, verified or not, and what applying it did."""
+
+    list_display = ("received_at", "processor", "account", "type", "event_id", "verified", "deliveries",
+                    "applied_at", "outcome_short")
+    list_filter = ("verified", "processor", "type")
+    search_fields = ("event_id", "object_id")
+    date_hierarchy = "received_at"
+
+    @admin.display(description="outcome")
+    def outcome_short(self, obj: InboundEvent) -> str:
+        text = obj.error or obj.verification_error or obj.outcome
+        return text[:80] + ("…" if len(text) > 80 else "")

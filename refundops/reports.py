@@ -20,6 +20,7 @@ from refundops import breaker
 from refundops.errors import ApiError
 from refundops.models import COUNTING_STATES, Payment, PlatformState, Refund, RefundState
 from refundops.selectors import active_limits, start_of_day
+from refundops.services.payouts import gateway_backlog
 
 DAYS = 14
 
@@ -81,6 +82,7 @@ class Dashboard:
     paid_twice_count: int
     disputed_with_refunds: int
     switches: Switches
+    gateway_backlog: list[dict]  # approved refunds still waiting for their gateway, per gateway
     currencies: list[str] = field(default_factory=list)
 
 
@@ -184,5 +186,5 @@ def dashboard(*, now: datetime | None = None, days: int = DAYS) -> Dashboard:
         paid_twice=list(paid_twice[:10]), paid_twice_count=paid_twice.count(),
         disputed_with_refunds=Payment.objects.filter(refunded, dispute_status=Payment.Dispute.OPEN)
         .distinct().count(),
-        switches=switches(now=now),
+        switches=switches(now=now), gateway_backlog=gateway_backlog(now=now),
         currencies=sorted({c.currency for c in per_currency} | set(reasons)))

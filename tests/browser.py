@@ -17,16 +17,19 @@ from django.utils import timezone
 
 from approvals.models import ApprovalAuthority
 from audit.models import Verdict
-from processors.models import SandboxControl
+from processors.models import InboundEvent, SandboxControl
 from refundops.callers import Caller
 from refundops.models import (
     Dispute,
     DisputeEvidenceDraft,
+    GatewayCustomer,
+    MerchantEndpoint,
     PaymentLink,
     PaymentLinkTemplate,
     PaymentOperation,
     PlatformState,
     Refund,
+    WebhookDelivery,
 )
 from refundops.services import payouts
 from refundops.services.refunds import request_refund
@@ -85,6 +88,13 @@ def populate() -> World:
     PaymentLink.objects.create(template=template, payment=make_payment(amount_owed_minor=1_200), amount_minor=1_200,
                                currency="USD", url="https://pay.example/l/1", verdict=verdict, agent=key.agent)
     payouts.submit_refund(refund_id=approved["id"])  # to the sandbox gateway: a SandboxRefund row
+    endpoint = MerchantEndpoint.objects.create(url="https://merchant.example/hooks", event_types=["refund.settled"])
+    WebhookDelivery.objects.create(endpoint=endpoint, event_id="evt_demo", event_type="refund.settled",
+                                   payload={"id": "evt_demo"}, status=WebhookDelivery.Status.DELIVERED, attempts=1)
+    InboundEvent.objects.create(processor="sandbox", event_id=f"evt_{uuid.uuid4().hex[:8]}", type="refund.updated",
+                                object_id="sbre_1", verified=False, verification_error="signature does not match")
+    GatewayCustomer.objects.create(processor="stripe", reference=f"cus_{uuid.uuid4().hex[:8]}",
+                                   customer=approved_payment.customer)
     return World(approved=Refund.objects.get(pk=approved["id"]), held=Refund.objects.get(pk=held["id"]),
                  held_big=Refund.objects.get(pk=held_big["id"]))
 

@@ -285,3 +285,31 @@ def test_auditors_find_audit_entries_by_an_id_inside_their_data(client, world, r
     assert listing.status_code == 200
     found = list(listing.context["cl"].result_list)
     assert [e.subject_id for e in found] == [world.held.pk] and found[0].data["payment_id"] == world.held.payment_id
+
+
+def test_dashboard_shows_the_backlog_waiting_for_each_gateway(client, root, policy):
+    from tests.conftest import make_payment
+
+    payment = make_payment(amount=5_000)
+    refund = Refund(payment=payment, amount_minor=100, currency="USD", reason="duplicate")
+    refund.save()
+    refund.approve_automatically()
+    refund.save()
+    page = client.get(reverse("admin:refundops_dashboard"))
+    assert page.status_code == 200
+    assert re.search(r"Waiting for sandbox\s*<span class=\"figure\">1</span>", page.content.decode())
+
+
+def test_a_merchant_webhook_delivery_is_redelivered_from_the_admin(client, root):
+    from refundops.models import MerchantEndpoint, WebhookDelivery
+
+    endpoint = MerchantEndpoint.objects.create(url="http://127.0.0.1:9/hook")
+    delivery = WebhookDelivery.objects.create(endpoint=endpoint, event_id="evt_1", event_type="refund.settled",
+                                              payload={"id": "evt_1"}, status=WebhookDelivery.Status.FAILED,
+                                              attempts=10)
+    response = client.post(reverse("admin:refundops_webhookdelivery_changelist"),
+                           {"action": "redeliver_selected", "_selected_action": [delivery.pk]}, follow=True)
+    assert response.status_code == 200
+    delivery.refresh_from_db()
+    assert delivery.status == WebhookDelivery.Status.PENDING
+    assert AuditEntry.objects.filter(subject_id=delivery.pk, actor="user:root").exists()
