@@ -7,7 +7,7 @@ fails answers; every hold rule that fires is reported.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -66,7 +66,8 @@ class Decision:
     hold_reasons: list[str] = field(default_factory=list)
 
     def checks_json(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in asdict(c).items() if v not in (None, "", {})} for c in self.checks]
+        # vars, not asdict: no deep copy; this runs while the platform lock is held.
+        return [{k: v for k, v in vars(c).items() if v not in (None, "", {})} for c in self.checks]
 
 
 class _Refused(Exception):
