@@ -27,6 +27,10 @@ from tests.conftest import make_customer, make_limits, make_payment, make_rules,
 pytestmark = pytest.mark.django_db
 
 UNDER, AT, OVER = -1, 0, 1
+# For the pure policy, where the clock is exact.
+ASK = RefundAsk(amount_minor=100, reason="customer_request", destination="original_method",
+                agent_id="ag_1", session_id="")
+ZERO = Totals(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def make_refund(payment: Payment, amount: int, *, origin: str = Refund.Origin.EXTERNAL,
@@ -117,10 +121,6 @@ def test_refund_window_at_the_second(db, offset):
                                paused=False, breaker_open=False)
     assert decision.code == ("REFUND_WINDOW_EXPIRED" if offset == OVER else "")
 
-
-ASK = RefundAsk(amount_minor=100, reason="customer_request", destination="original_method",
-                agent_id="ag_1", session_id="")
-ZERO = Totals(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 # -- running totals -----------------------------------------------------------------------------
