@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from django.db import connection
+from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from refundops.models import COUNTING_STATES, HoldRules, Payment, Refund, RefundLimits
@@ -68,10 +69,41 @@ def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, n
               "agent": agent_id, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
               "day": start_of_day(now), "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
               "velocity": now - timedelta(hours=velocity_hours)}
+    if connection.vendor != "postgresql":
+        return _running_totals_orm(params)
     with connection.cursor() as cursor:
         cursor.execute(_TOTALS_SQL, params)
         row = cursor.fetchone()
     return Totals(*(int(v) for v in row))
+
+
+def _running_totals_orm(p: dict) -> Totals:
+    """The same totals through the ORM, for the embedded SQLite mode (and to check the SQL above)."""
+    counting = (Refund.objects.filter(status__in=p["states"], currency=p["currency"])
+                .exclude(pk=p["exclude"]))
+
+    def total(q: Q) -> Sum:
+        return Sum("amount_minor", filter=q, default=0)
+
+    customer = counting.filter(payment__customer_id=p["customer"],
+                               created_at__gte=min(p["month"], p["velocity"])).aggregate(
+        day_count=Count("id", filter=Q(created_at__gte=p["day"])), day_sum=total(Q(created_at__gte=p["day"])),
+        m_count=Count("id", filter=Q(created_at__gte=p["month"])), m_sum=total(Q(created_at__gte=p["month"])),
+        velocity=Count("id", filter=Q(created_at__gte=p["velocity"])))
+    agent = {"hour": 0, "day": 0, "session": 0}
+    if p["agent"]:
+        in_session = Q(agent_session_id=p["session"]) if p["session"] else Q(pk__in=[])
+        recent = Q(created_at__gte=min(p["day"], p["hour"]))
+        agent = counting.filter(agent_id=p["agent"]).filter(recent | in_session).aggregate(
+            hour=total(Q(created_at__gte=p["hour"])), day=total(Q(created_at__gte=p["day"])),
+            session=total(in_session))
+    return Totals(
+        payment_refund_count=counting.filter(payment_id=p["payment"]).count(),
+        customer_day_count=customer["day_count"], customer_day_minor=customer["day_sum"],
+        customer_30d_count=customer["m_count"], customer_30d_minor=customer["m_sum"],
+        customer_velocity_count=customer["velocity"], agent_hour_minor=agent["hour"],
+        agent_day_minor=agent["day"], session_minor=agent["session"],
+        global_day_minor=counting.filter(created_at__gte=p["day"]).aggregate(s=total(Q()))["s"])
 
 
 def payment_json(payment: Payment) -> dict:

@@ -183,6 +183,19 @@ PROCESSORS = {
 # Where customers open sandbox payment links (the sandbox's hosted page is served by this app).
 PUBLIC_BASE_URL = env("PUBLIC_BASE_URL", default="http://127.0.0.1:8000").rstrip("/")
 
+# Rate limits (Redis, sliding one-minute window) and the breaker over agent refund volume.
+RATE_LIMIT_AGENT_PER_MINUTE = env.int("RATE_LIMIT_AGENT_PER_MINUTE", default=600)
+RATE_LIMIT_SESSION_PER_MINUTE = env.int("RATE_LIMIT_SESSION_PER_MINUTE", default=300)
+RATE_LIMIT_GLOBAL_PER_MINUTE = env.int("RATE_LIMIT_GLOBAL_PER_MINUTE", default=6000)
+RATE_LIMIT_WINDOW_SECONDS = env.int("RATE_LIMIT_WINDOW_SECONDS", default=60)
+BREAKER_WINDOW_MINUTES = env.int("BREAKER_WINDOW_MINUTES", default=5)
+BREAKER_BASELINE_MINUTES = env.int("BREAKER_BASELINE_MINUTES", default=60)
+BREAKER_FACTOR = env.float("BREAKER_FACTOR", default=5.0)  # trips above 5x the trailing hour's rate
+BREAKER_MIN_COUNT = env.int("BREAKER_MIN_COUNT", default=100)
+BREAKER_MIN_VALUE = env.int("BREAKER_MIN_VALUE", default=10_000)  # major units of each currency
+BREAKER_COOLDOWN_SECONDS = env.int("BREAKER_COOLDOWN_SECONDS", default=600)
+BREAKER_HALF_OPEN_PROBES = env.int("BREAKER_HALF_OPEN_PROBES", default=5)
+
 # Gateway health and our own webhooks (defaults suit production; tests shorten them).
 REFUND_SYNC_AFTER_SECONDS = env.int("REFUND_SYNC_AFTER_SECONDS", default=120)
 GATEWAY_BREAKER_THRESHOLD = env.int("GATEWAY_BREAKER_THRESHOLD", default=5)
