@@ -95,6 +95,7 @@ def evaluate_refund(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | 
             check.result = "fail"
             checks.append(check)
             raise _Refused(check)
+        check.code = check.message = ""  # a passing check has no refusal to explain
         checks.append(check)
 
     try:
