@@ -124,6 +124,7 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = env("STATIC_ROOT", default=str(VAR_DIR / "static"))
+Path(STATIC_ROOT).mkdir(parents=True, exist_ok=True)  # WhiteNoise warns on every start without it
 
 LOGGING = {
     "version": 1,
