@@ -15,7 +15,6 @@ breaker answers "wait", so money-moving calls fail closed as everything else doe
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -23,14 +22,14 @@ from typing import Literal
 import redis
 from django.conf import settings
 
+from processors.redis_client import redis_client
+
 log = logging.getLogger(__name__)
 
 Phase = Literal["closed", "open", "half_open"]
 DEFAULTS = {"GATEWAY_BREAKER_THRESHOLD": 5, "GATEWAY_BREAKER_COOLDOWN_SECONDS": 30.0}
 REDIS_AWAY_WAIT_SECONDS = 5.0
 
-_clients: dict[str, redis.Redis] = {}
-_clients_lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,31 +49,13 @@ def _setting(name: str) -> float:
     return value
 
 
-def _client() -> redis.Redis:
-    """One client per URL per process; fakeredis in the embedded mode (no REDIS_URL)."""
-    url = settings.REDIS_URL
-    client = _clients.get(url)
-    if client is None:
-        with _clients_lock:
-            client = _clients.get(url)
-            if client is None:
-                if url:
-                    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
-                else:
-                    import fakeredis
-
-                    client = fakeredis.FakeRedis()
-                _clients[url] = client
-    return client
-
-
 def _key(gateway: str, account: str) -> str:
     return f"refundops:gwbreaker:{gateway}:{account}"
 
 
 def state(gateway: str, account: str, *, now: float | None = None) -> BreakerState:
     now = time.time() if now is None else now
-    raw = _client().hgetall(_key(gateway, account))
+    raw = redis_client().hgetall(_key(gateway, account))
     failures = int(raw.get(b"failures", 0))
     open_until = float(raw.get(b"open_until", 0))
     if not open_until:
@@ -102,7 +83,7 @@ def wait_seconds(gateway: str, account: str, *, now: float | None = None) -> flo
             return current.retry_in
         # Half-open: one probe at a time; the token expires in case the prober dies mid-call.
         cooldown = _setting("GATEWAY_BREAKER_COOLDOWN_SECONDS")
-        if _client().set(_key(gateway, account) + ":probe", 1, nx=True, px=int(cooldown * 1000) or 1):
+        if redis_client().set(_key(gateway, account) + ":probe", 1, nx=True, px=int(cooldown * 1000) or 1):
             return 0.0
         return cooldown
     except redis.RedisError:
@@ -113,7 +94,7 @@ def wait_seconds(gateway: str, account: str, *, now: float | None = None) -> flo
 def record_success(gateway: str, account: str) -> None:
     """The gateway answered (yes or a final no): it is reachable, so the breaker closes."""
     try:
-        _client().delete(_key(gateway, account), _key(gateway, account) + ":probe")
+        redis_client().delete(_key(gateway, account), _key(gateway, account) + ":probe")
     except redis.RedisError:
         log.error("gateway breaker: Redis unreachable; could not close %s/%s", gateway, account)
 
@@ -123,11 +104,11 @@ def record_unavailable(gateway: str, account: str, *, now: float | None = None) 
     key = _key(gateway, account)
     try:
         was = state(gateway, account, now=now)
-        failures = int(_client().hincrby(key, "failures", 1))
+        failures = int(redis_client().hincrby(key, "failures", 1))
         if was.phase == "half_open" or (was.phase == "closed"
                                          and failures >= _setting("GATEWAY_BREAKER_THRESHOLD")):
             cooldown = _setting("GATEWAY_BREAKER_COOLDOWN_SECONDS")
-            pipe = _client().pipeline()
+            pipe = redis_client().pipeline()
             pipe.hset(key, "open_until", now + cooldown)
             pipe.delete(key + ":probe")
             pipe.execute()

@@ -22,7 +22,6 @@ import json
 import logging
 import math
 import secrets
-import threading
 import time
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from django.conf import settings
 from rest_framework.permissions import SAFE_METHODS
 from rest_framework.throttling import BaseThrottle
 
+from processors.redis_client import redis_client
 from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.models import AgentKey
@@ -38,28 +38,6 @@ from refundops.models import AgentKey
 log = logging.getLogger(__name__)
 
 PREFIX = "refundops:rl"
-_clients: dict[str, redis.Redis] = {}
-_clients_lock = threading.Lock()
-
-
-def redis_client() -> redis.Redis:
-    """One client (and connection pool) per URL per process; an in-process fakeredis when
-    ``settings.REDIS_URL`` is empty (embedded demo mode). Short timeouts: failing closed fast
-    beats holding a request while Redis is away."""
-    url = settings.REDIS_URL
-    client = _clients.get(url)
-    if client is None:
-        with _clients_lock:
-            client = _clients.get(url)
-            if client is None:
-                if url:
-                    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
-                else:
-                    import fakeredis
-
-                    client = fakeredis.FakeRedis()
-                _clients[url] = client
-    return client
 
 
 def store_unavailable(what: str) -> ApiError:

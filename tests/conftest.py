@@ -17,6 +17,8 @@ from processors.money import Money
 from refundops.access import generate_key
 from refundops.models import Agent, AgentKey, Capability, Customer, HoldRules, Payment, RefundLimits
 
+pytest_plugins = ["tests.fakes.fixtures"]  # fake gateways and a real Celery worker, for any test
+
 _seq = itertools.count(1)
 
 

@@ -14,14 +14,7 @@ from refundops import tasks
 from refundops.models import Refund, RefundState
 from refundops.services import payouts
 from tests.conftest import make_payment, post
-from tests.fakes.fixtures import (  # noqa: F401 - fixtures
-    gateways,
-    paypal_fake,
-    stripe_fake,
-    stripe_payment,
-    wait_for,
-    worker,
-)
+from tests.fakes.fixtures import stripe_payment, wait_for
 from tests.fakes.stripe_server import FakeStripe
 
 S = RefundState

@@ -13,17 +13,14 @@ from django.core.management import CommandError, call_command
 from audit.models import AuditEntry
 from refundops.models import Customer, GatewayCustomer, Payment, Refund, RefundState
 from refundops.services import payouts
-from tests.fakes.fixtures import gateways, paypal_fake, stripe_fake  # noqa: F401 - fixtures
 from tests.fakes.stripe_server import FakeStripe
 
 pytestmark = pytest.mark.django_db
-
 
 def run(*args: str) -> tuple[str, str]:
     out, err = io.StringIO(), io.StringIO()
     call_command("import_payments", "--gateway", "stripe", *args, stdout=out, stderr=err)
     return out.getvalue(), err.getvalue()
-
 
 def seed(fake: FakeStripe) -> dict[str, str]:
     now = int(time.time())
@@ -37,7 +34,6 @@ def seed(fake: FakeStripe) -> dict[str, str]:
     }
     fake.payment_intents[intents["abandoned"]].update(status="requires_payment_method", amount_received=0)
     return intents
-
 
 def test_payment_intents_are_imported_page_by_page_with_their_customers(gateways, stripe_fake):
     intents = seed(stripe_fake)
@@ -62,7 +58,6 @@ def test_payment_intents_are_imported_page_by_page_with_their_customers(gateways
     assert Customer.objects.count() == 3 and GatewayCustomer.objects.count() == 2
     assert AuditEntry.objects.filter(action="payments.imported", subject_id="stripe:default").exists()
 
-
 def test_running_it_again_imports_nothing_twice(gateways, stripe_fake):
     seed(stripe_fake)
     run()
@@ -72,7 +67,6 @@ def test_running_it_again_imports_nothing_twice(gateways, stripe_fake):
     assert "6 payment intents: 0 created, 5 already here, 1 skipped" in out
     assert Payment.objects.count() == 5 and Customer.objects.count() == 3
 
-
 def test_since_takes_only_payments_created_from_that_day(gateways, stripe_fake):
     old = int((datetime.now(timezone.utc) - timedelta(days=40)).timestamp())
     stripe_fake.add_payment_intent(4_000, customer="cus_old", created=old)
@@ -81,7 +75,6 @@ def test_since_takes_only_payments_created_from_that_day(gateways, stripe_fake):
     run("--since", (datetime.now(timezone.utc) - timedelta(days=7)).date().isoformat())
 
     assert list(Payment.objects.values_list("processor_reference", flat=True)) == [recent]
-
 
 def test_an_imported_payment_can_be_refunded_through_stripe(gateways, stripe_fake):
     intent = stripe_fake.add_payment_intent(5_000, customer="cus_alice")
@@ -95,7 +88,6 @@ def test_an_imported_payment_can_be_refunded_through_stripe(gateways, stripe_fak
     assert refund.status == RefundState.SETTLED
     assert stripe_fake.refunds[refund.processor_refund_id]["payment_intent"] == intent
 
-
 def test_a_gateway_that_stops_answering_stops_the_import_with_a_way_on(gateways, stripe_fake):
     seed(stripe_fake)
     stripe_fake.set_mode("down")
@@ -104,7 +96,6 @@ def test_a_gateway_that_stops_answering_stops_the_import_with_a_way_on(gateways,
         run()
 
     assert not Payment.objects.exists()
-
 
 def test_an_account_that_is_not_configured_is_refused(gateways):
     with pytest.raises(CommandError, match="not configured"):

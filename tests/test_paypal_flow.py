@@ -13,14 +13,7 @@ from refundops import tasks
 from refundops.models import Refund, RefundState
 from refundops.services import payouts
 from tests.conftest import post
-from tests.fakes.fixtures import (  # noqa: F401 - fixtures
-    gateways,
-    paypal_fake,
-    paypal_payment,
-    stripe_fake,
-    wait_for,
-    worker,
-)
+from tests.fakes.fixtures import paypal_payment, wait_for
 from tests.fakes.paypal_server import FakePayPal
 
 S = RefundState

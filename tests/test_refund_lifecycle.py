@@ -17,7 +17,7 @@ from refundops.celery import app as celery_app
 from refundops.models import Refund, RefundState
 from refundops.services import payouts
 from tests.conftest import make_payment, post
-from tests.fakes.fixtures import worker  # noqa: F401 - a real Celery worker in a thread
+from tests.fakes.fixtures import wait_for
 
 S = RefundState
 # Every transition method and the states it may start from (the contract's diagram).
@@ -41,12 +41,10 @@ KWARGS = {"hold": {"reasons": ["APPROVAL_REQUIRED"]}, "deny": {"code": "X", "mes
           "submit": {"processor_refund_id": "sbre_1", "at": None}, "settle": {"at": None},
           "fail": {"code": "X", "message": "m"}}
 
-
 def _refund_in(state: str) -> Refund:
     refund = Refund(amount_minor=1, currency="USD", reason="duplicate")
     refund.__dict__["status"] = state  # a bare instance in any state, without the database
     return refund
-
 
 @pytest.mark.parametrize("method", sorted(ALLOWED))
 @pytest.mark.parametrize("state", [s.value for s in S])
@@ -61,12 +59,10 @@ def test_every_state_move_is_allowed_or_refused_as_the_contract_says(method, sta
             move(**KWARGS.get(method, {}))
         assert refund.status == state
 
-
 def test_the_state_field_cannot_be_set_directly():
     refund = Refund(amount_minor=1, currency="USD", reason="duplicate")
     with pytest.raises(AttributeError):
         refund.status = S.SETTLED
-
 
 @pytest.fixture
 def worker_never_runs():
@@ -78,20 +74,8 @@ def worker_never_runs():
     celery_app.conf.broker_url = broker
     celery_app.conf.task_always_eager = True
 
-
-def wait_for(predicate, *, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"gave up waiting for {what}")
-
-
 def status_of(refund_id: str) -> str:
     return Refund.objects.values_list("status", flat=True).get(pk=refund_id)
-
 
 @pytest.mark.django_db(transaction=True)
 def test_end_to_end_agent_to_sandbox_to_settled(api, policy, worker):
@@ -111,7 +95,6 @@ def test_end_to_end_agent_to_sandbox_to_settled(api, policy, worker):
     assert (payment.amount_refunded_minor, payment.amount_reserved_minor) == (1_250, 0)
     assert api.get(f"/api/v1/refunds/{rf}").json()["refund"]["status"] == "settled"
 
-
 @pytest.mark.django_db(transaction=True)
 def test_gateway_down_keeps_the_refund_approved_and_retries_until_it_settles(api, policy, worker):
     sandbox.set_mode("down", settle_delay_seconds=0)
@@ -126,7 +109,6 @@ def test_gateway_down_keeps_the_refund_approved_and_retries_until_it_settles(api
     sandbox.set_mode("up")
     wait_for(lambda: status_of(rf) == S.SETTLED, what="settled after the outage")
     assert SandboxRefund.objects.count() == 1
-
 
 @pytest.mark.django_db(transaction=True)
 def test_a_worker_that_died_after_the_gateway_call_does_not_pay_twice(policy, api, worker_never_runs):
@@ -143,7 +125,6 @@ def test_a_worker_that_died_after_the_gateway_call_does_not_pay_twice(policy, ap
     payouts.submit_refund(refund_id=rf)  # the retry
     assert status_of(rf) == S.SETTLED
     assert SandboxRefund.objects.count() == 1
-
 
 @pytest.mark.django_db(transaction=True)
 def test_racing_submissions_of_one_refund_pay_once(policy, api, worker_never_runs):

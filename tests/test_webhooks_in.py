@@ -20,15 +20,12 @@ from processors.registry import get_processor
 from refundops.models import Dispute, Payment, Refund, RefundState
 from refundops.services import payouts
 from tests.conftest import make_customer, make_limits, make_payment, post
-from tests.fakes.fixtures import (  # noqa: F401 - fixtures
+from tests.fakes.fixtures import (
     PAYPAL_WEBHOOK_ID,
     SANDBOX_WEBHOOK_SECRET,
-    gateways,
-    paypal_fake,
     paypal_payment,
     post_stripe_event,
     stripe_event,
-    stripe_fake,
     stripe_payment,
 )
 from tests.fakes.paypal_server import FakePayPal

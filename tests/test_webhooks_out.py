@@ -15,7 +15,7 @@ from refundops import outbound
 from refundops.models import MerchantEndpoint, Refund, RefundState, WebhookDelivery
 from tests.conftest import make_payment, post
 from tests.fakes import FakeGateway, Request, Response
-from tests.fakes.fixtures import wait_for, worker  # noqa: F401 - fixture
+from tests.fakes.fixtures import wait_for
 
 S = RefundState
 

@@ -1,7 +1,7 @@
 """Fixtures over the fake gateways, shared by the adapter tests and the end-to-end tests.
 
 Only configuration points an adapter at its fake: the adapter and the SDK run unpatched. A test
-module takes these by importing them (``from tests.fakes.fixtures import stripe_fake, …``).
+module is a pytest plugin (tests/conftest.py names it), so every test can ask for these fixtures.
 """
 
 from __future__ import annotations

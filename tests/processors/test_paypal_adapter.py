@@ -17,7 +17,7 @@ from processors.base import (
 from processors.money import Money
 from processors.paypal import PayPalProcessor, money_from_paypal, paypal_value
 from tests.fakes.paypal_server import FakePayPal
-from tests.processors.conftest import PAYPAL_WEBHOOK_ID
+from tests.fakes.fixtures import PAYPAL_WEBHOOK_ID
 
 
 def _capture_ref(capture_id: str) -> PaymentRef:

@@ -18,7 +18,7 @@ from processors.base import (
 from processors.money import Money
 from processors.stripe import StripeProcessor
 from tests.fakes.stripe_server import FakeStripe, parse_form
-from tests.processors.conftest import STRIPE_WEBHOOK_SECRET
+from tests.fakes.fixtures import STRIPE_WEBHOOK_SECRET
 
 
 def _payment(reference: str, authorization: str = "") -> PaymentRef:
