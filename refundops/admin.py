@@ -67,6 +67,22 @@ def _safe_next(request: HttpRequest, default: str) -> str:
     return default
 
 
+class RowLinks:
+    """Columns most money rows share: the amount as money, and links to the payment and the verdict."""
+
+    @admin.display(description="amount", ordering="amount_minor")
+    def amount(self, obj) -> str:
+        return money_or_dash(obj.amount_minor, obj.currency)
+
+    @admin.display(description="payment")
+    def payment_link(self, obj) -> str:
+        return admin_link("admin:refundops_payment_change", obj.payment_id)
+
+    @admin.display(description="verdict")
+    def verdict_link(self, obj) -> str:
+        return admin_link("admin:audit_verdict_change", obj.verdict_id)
+
+
 # -- customers and payments -------------------------------------------------------------------------
 
 @admin.register(Customer)
@@ -83,7 +99,7 @@ class CustomerAdmin(ReadOnlyHistoryAdmin):
         return obj.n_payments
 
 
-class RefundInline(admin.TabularInline):
+class RefundInline(RowLinks, admin.TabularInline):
     model = Refund
     fields = ["id", "amount", "status", "reason", "origin", "hold_reasons", "created_at", "verdict_link"]
     readonly_fields = fields
@@ -98,16 +114,8 @@ class RefundInline(admin.TabularInline):
     def has_change_permission(self, request, obj=None) -> bool:
         return False
 
-    @admin.display(description="amount")
-    def amount(self, obj: Refund) -> str:
-        return format_minor(obj.amount_minor, obj.currency)
 
-    @admin.display(description="verdict")
-    def verdict_link(self, obj: Refund) -> str:
-        return admin_link("admin:audit_verdict_change", obj.verdict_id)
-
-
-class DisputeInline(admin.TabularInline):
+class DisputeInline(RowLinks, admin.TabularInline):
     model = Dispute
     fields = ["id", "status", "reason", "amount", "evidence_due_by", "created_at"]
     readonly_fields = fields
@@ -120,10 +128,6 @@ class DisputeInline(admin.TabularInline):
 
     def has_change_permission(self, request, obj=None) -> bool:
         return False
-
-    @admin.display(description="amount")
-    def amount(self, obj: Dispute) -> str:
-        return format_minor(obj.amount_minor, obj.currency)
 
 
 class StaffRefundForm(forms.Form):
@@ -292,7 +296,7 @@ def _authority_note(refund: Refund, user, authorities: dict[str, int]) -> str:
 
 
 @admin.register(Refund)
-class RefundAdmin(ReadOnlyHistoryAdmin):
+class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
     ordering = ["-created_at"]
     list_display = ["id", "amount", "status", "reason", "origin", "requester", "hold_reasons", "payment_link",
                     "customer", "verdict_link", "created_at"]
@@ -326,17 +330,11 @@ class RefundAdmin(ReadOnlyHistoryAdmin):
     def customer(self, obj: Refund) -> str:
         return obj.payment.customer.name or obj.payment.customer.email
 
-    @admin.display(description="amount", ordering="amount_minor")
-    def amount(self, obj: Refund) -> str:
-        return format_minor(obj.amount_minor, obj.currency)
 
     @admin.display(description="requested by")
     def requester(self, obj: Refund) -> str:
         return _requester(obj)
 
-    @admin.display(description="verdict")
-    def verdict_link(self, obj: Refund) -> str:
-        return admin_link("admin:audit_verdict_change", obj.verdict_id)
 
     @admin.display(description="key")
     def key_prefix(self, obj: Refund) -> str:
@@ -676,25 +674,13 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
 # -- voids and captures, payment links, disputes ----------------------------------------------------
 
 @admin.register(PaymentOperation)
-class PaymentOperationAdmin(ReadOnlyHistoryAdmin):
+class PaymentOperationAdmin(RowLinks, ReadOnlyHistoryAdmin):
     ordering = ["-created_at"]
     list_display = ["id", "kind", "payment_link", "amount", "status", "agent", "verdict_link", "created_at",
                     "finished_at"]
     list_filter = ["kind", "status"]
     search_fields = ["id", "payment__id", "gateway_reference"]
     list_select_related = ["agent"]
-
-    @admin.display(description="payment")
-    def payment_link(self, obj: PaymentOperation) -> str:
-        return admin_link("admin:refundops_payment_change", obj.payment_id)
-
-    @admin.display(description="amount")
-    def amount(self, obj: PaymentOperation) -> str:
-        return money_or_dash(obj.amount_minor, obj.currency)
-
-    @admin.display(description="verdict")
-    def verdict_link(self, obj: PaymentOperation) -> str:
-        return admin_link("admin:audit_verdict_change", obj.verdict_id)
 
 
 class PaymentLinkTemplateForm(forms.ModelForm):
@@ -746,21 +732,13 @@ class PaymentLinkTemplateAdmin(HistoryAdmin):
 
 
 @admin.register(PaymentLink)
-class PaymentLinkAdmin(ReadOnlyHistoryAdmin):
+class PaymentLinkAdmin(RowLinks, ReadOnlyHistoryAdmin):
     ordering = ["-sent_at"]
     list_display = ["id", "payment_link", "order_reference", "amount", "status", "template", "agent", "sent_at",
                     "paid_at"]
     list_filter = ["status", "template"]
     search_fields = ["id", "payment__id", "order_reference"]
     list_select_related = ["template", "agent"]
-
-    @admin.display(description="payment")
-    def payment_link(self, obj: PaymentLink) -> str:
-        return admin_link("admin:refundops_payment_change", obj.payment_id)
-
-    @admin.display(description="amount")
-    def amount(self, obj: PaymentLink) -> str:
-        return format_minor(obj.amount_minor, obj.currency)
 
 
 class EvidenceDraftInline(admin.StackedInline):
@@ -780,7 +758,7 @@ class EvidenceDraftInline(admin.StackedInline):
 
 
 @admin.register(Dispute)
-class DisputeAdmin(ReadOnlyHistoryAdmin):
+class DisputeAdmin(RowLinks, ReadOnlyHistoryAdmin):
     ordering = ["-created_at"]
     list_display = ["id", "payment_link", "amount", "status", "reason", "refunded", "evidence_due_by",
                     "created_at"]
@@ -789,13 +767,6 @@ class DisputeAdmin(ReadOnlyHistoryAdmin):
     list_select_related = ["payment"]
     inlines = [EvidenceDraftInline]
 
-    @admin.display(description="payment")
-    def payment_link(self, obj: Dispute) -> str:
-        return admin_link("admin:refundops_payment_change", obj.payment_id)
-
-    @admin.display(description="amount")
-    def amount(self, obj: Dispute) -> str:
-        return format_minor(obj.amount_minor, obj.currency)
 
     @admin.display(description="refunded on the payment")
     def refunded(self, obj: Dispute) -> str:
