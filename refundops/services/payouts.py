@@ -75,7 +75,7 @@ def payment_ref(payment) -> PaymentRef:
 
 def submit_refund(*, refund_id: str) -> Refund:
     """Send one approved refund to its gateway. Raises ProcessorUnavailable to be retried later."""
-    refund = Refund.objects.select_related("payment").get(pk=refund_id)
+    refund = cancel_if_disputed_since_approval(refund_id=refund_id)
     if refund.status != RefundState.APPROVED:
         return refund  # already submitted, settled, failed or canceled: nothing to do
     processor = get_processor(refund.payment.processor, refund.payment.processor_account)
@@ -87,6 +87,38 @@ def submit_refund(*, refund_id: str) -> Refund:
     except ProcessorDeclined as declined:
         return record_gateway_failure(refund_id=refund.pk, code=declined.code, message=declined.message)
     return record_gateway_result(refund_id=refund.pk, result=result)
+
+
+@transaction.atomic
+def cancel_if_disputed_since_approval(*, refund_id: str) -> Refund:
+    """The last look before paying: a refund no person approved is not paid on a payment whose
+    dispute is open, since losing the dispute would pay the customer twice. The policy holds
+    new refunds on disputed payments for a person; this catches a dispute that opened between
+    the automatic approval and the payment. A refund a person approved is theirs to answer for."""
+    refund = _lock(refund_id)
+    if refund.status != RefundState.APPROVED or not refund.payment.is_disputed or approved_by_a_person(refund):
+        return refund
+    refund.cancel(message=f"The payment was disputed ({refund.payment.dispute_reference}) after this refund "
+                          f"was approved automatically and before it was paid; paying it as well could "
+                          f"pay the customer twice. A person may refund it once the dispute is decided.")
+    _save(refund, f"payment disputed ({refund.payment.dispute_reference}) before it was paid")
+    sync_payment_amounts(refund.payment)
+    record_audit(actor=WORKER, action="refund.canceled", subject_type="refund", subject_id=refund.pk,
+                 data={"from": RefundState.APPROVED, "why": "payment disputed after automatic approval",
+                       "processor_dispute_id": refund.payment.dispute_reference,
+                       "verdict_id": refund.verdict_id})
+    return refund
+
+
+def approved_by_a_person(refund: Refund) -> bool:
+    """Whether a person, not only the policy, decided this refund is paid: a person asked for it
+    (staff, or the gateway's own dashboard), a person approved it out of ``held``, or a person
+    resubmitted it after a failure. Only an agent's refund the policy approved is not."""
+    if refund.origin != Refund.Origin.AGENT:
+        return True
+    if refund.verdict is None or refund.verdict.outcome != Verdict.Outcome.APPROVED:
+        return True
+    return refund.history.filter(status__in=(RefundState.HELD, RefundState.FAILED)).exists()
 
 
 @transaction.atomic

@@ -1,0 +1,89 @@
+"""A dispute that opens between a refund's approval and its payment: the worker's last look.
+
+An agent's refund the policy approved alone is canceled rather than paid, since losing the
+dispute as well would pay the customer twice; a refund a person approved knowing of the dispute
+is paid. Through the fake Stripe, its signed dispute events and the worker's own service.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+from django.urls import include, path
+
+from approvals.models import ApprovalAuthority
+from approvals.services import approve_refund
+from audit.models import AuditEntry
+from refundops.models import MerchantEndpoint, Payment, Refund, RefundState, WebhookDelivery
+from refundops.services import payouts
+from tests.conftest import post
+from tests.fakes.fixtures import post_stripe_event, stripe_event, stripe_payment
+from tests.fakes.stripe_server import FakeStripe
+
+urlpatterns = [path("", include("refundops.urls")), path("webhooks/", include("refundops.webhook_urls"))]
+pytestmark = [pytest.mark.urls(__name__), pytest.mark.django_db]
+
+
+def open_dispute(fake: FakeStripe, payment: Payment) -> str:
+    charge = fake.payment_intents[payment.processor_reference]["latest_charge"]
+    dispute_id = fake.add_dispute(charge)
+    answer = post_stripe_event(Client(), stripe_event("charge.dispute.created", dict(fake.disputes[dispute_id])))
+    assert answer.status_code == 200
+    return dispute_id
+
+
+def approver() -> User:
+    user = User.objects.create_user(username=f"approver-{uuid.uuid4().hex[:6]}", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(codename="approve_refund"))
+    ApprovalAuthority.objects.create(user=user, currency="USD", max_amount_minor=100_000)
+    return User.objects.get(pk=user.pk)
+
+
+def test_a_refund_approved_automatically_is_canceled_not_paid_when_a_dispute_opens_first(
+        api, policy, gateways, stripe_fake):
+    endpoint = MerchantEndpoint.objects.create(url="https://merchant.example/hooks")
+    payment = stripe_payment(stripe_fake, 5_000)
+    answer = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 2_000,
+                                           "reason": "customer_request"})
+    assert answer.status_code == 201 and answer.json()["refund"]["status"] == RefundState.APPROVED
+    refund_id = answer.json()["refund"]["id"]
+    dispute_id = open_dispute(stripe_fake, payment)
+
+    refund = payouts.submit_refund(refund_id=refund_id)
+
+    assert refund.status == RefundState.CANCELED and dispute_id in refund.failure_message
+    assert stripe_fake.refund_count == 0
+    payment.refresh_from_db()
+    assert (payment.amount_refunded_minor, payment.amount_reserved_minor, payment.paid_twice) == (0, 0, False)
+    entry = AuditEntry.objects.get(action="refund.canceled", subject_id=refund_id)
+    assert entry.actor == payouts.WORKER and entry.data["processor_dispute_id"] == dispute_id
+    assert WebhookDelivery.objects.filter(endpoint=endpoint, event_type="refund.canceled",
+                                          payload__data__object__id=refund_id).count() == 1
+
+
+def test_a_refund_a_person_approved_while_the_payment_was_disputed_is_paid(api, policy, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    open_dispute(stripe_fake, payment)
+    answer = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 2_000,
+                                           "reason": "customer_request"})
+    assert answer.status_code == 202 and "PAYMENT_DISPUTED" in answer.json()["hold_reasons"]
+    approve_refund(refund_id=answer.json()["refund"]["id"], approver=approver(), note="goods never shipped")
+
+    refund = payouts.submit_refund(refund_id=answer.json()["refund"]["id"])
+
+    assert refund.status == RefundState.SETTLED and stripe_fake.refund_count == 1
+    assert not AuditEntry.objects.filter(action="refund.canceled", subject_id=refund.pk).exists()
+
+
+def test_a_refund_approved_automatically_on_an_undisputed_payment_is_paid(api, policy, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    answer = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 2_000,
+                                           "reason": "customer_request"})
+
+    refund = payouts.submit_refund(refund_id=answer.json()["refund"]["id"])
+
+    assert refund.status == RefundState.SETTLED and stripe_fake.refund_count == 1
+    assert Refund.objects.get(pk=refund.pk).processor_refund_id
