@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -59,6 +61,17 @@ TRANSMISSION_HEADERS = {
 }
 
 CUSTOM_ID_MAX = 127  # PayPal's limit for custom_id
+
+
+@dataclass(frozen=True, slots=True)
+class PayPalDispute:
+    id: str
+    amount: Money | None  # PayPal may leave it out of a dispute it is still gathering
+    status: str  # PayPal's own: OPEN, WAITING_FOR_SELLER_RESPONSE, UNDER_REVIEW, RESOLVED, …
+    outcome: str  # dispute_outcome.outcome_code once RESOLVED, e.g. RESOLVED_SELLER_FAVOUR; else ""
+    reason: str
+    captures: tuple[str, ...]  # disputed_transactions[].seller_transaction_id: our capture ids
+    respond_by: int | None  # seller_response_due_date as Unix time
 
 
 def paypal_value(amount: Money) -> str:
@@ -123,6 +136,19 @@ def _error_code(exc: ApiException) -> str:
         if isinstance(body, dict):
             code = body.get("name") or body.get("error")
     return str(code or f"http_{exc.response_code}")
+
+
+def _body_code(answer: requests.Response) -> str:
+    """PayPal's error name (first issue first) from a raw answer, else its HTTP status."""
+    try:
+        body = answer.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        issue = ((body.get("details") or [{}])[0] or {}).get("issue")
+        if issue or body.get("name"):
+            return str(issue or body["name"])
+    return f"http_{answer.status_code}"
 
 
 @contextmanager
@@ -236,9 +262,11 @@ class PayPalProcessor:
         try:
             event = json.loads(payload)
             resource = event["resource"]
+            # Disputes name themselves by dispute_id; every other resource by id.
+            object_id = resource.get("dispute_id") or resource["id"]
             webhook_event = WebhookEvent(processor=self.name, event_id=str(event["id"]),
                                          type=str(event["event_type"]),
-                                         object_id=str(resource["id"]), data=resource)
+                                         object_id=str(object_id), data=resource)
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidWebhook(f"malformed PayPal event: {exc}", code="malformed") from None
         with _edge("verify webhook"):
@@ -258,6 +286,37 @@ class PayPalProcessor:
             raise InvalidWebhook(f"PayPal did not verify the event (HTTP {answer.status_code}, "
                                  f"{status or 'no verification_status'})")
         return webhook_event
+
+    # -- PayPal-only operations ------------------------------------------------------------------
+    def fetch_dispute(self, dispute_id: str) -> PayPalDispute:
+        """``GET /v1/customer/disputes/{id}``: the SDK has no disputes controller, so this goes
+        over ``requests`` with the SDK's OAuth token, as :meth:`verify_webhook` does."""
+        with _edge("fetch dispute"):
+            token = self._access_token()
+            answer = requests.get(f"{self.configuration.get_base_uri()}/v1/customer/disputes/{dispute_id}",
+                                  headers={"Authorization": f"Bearer {token}"}, timeout=self.timeout)
+        if answer.status_code == 429 or answer.status_code >= 500:
+            raise ProcessorUnavailable(f"paypal fetch dispute: HTTP {answer.status_code}",
+                                       code=_body_code(answer), retry_after=_retry_after(answer.headers))
+        if answer.status_code != 200:
+            raise ProcessorDeclined(f"paypal fetch dispute {dispute_id}: HTTP {answer.status_code}",
+                                    code=_body_code(answer))
+        try:
+            body = answer.json()
+            amount = body.get("dispute_amount")
+            due = body.get("seller_response_due_date")
+            return PayPalDispute(
+                id=str(body["dispute_id"]),
+                amount=money_from_paypal(amount["value"], amount["currency_code"]) if amount else None,
+                status=str(body["status"]),
+                outcome=str((body.get("dispute_outcome") or {}).get("outcome_code") or ""),
+                reason=str(body.get("reason") or ""),
+                captures=tuple(str(t["seller_transaction_id"]) for t in body.get("disputed_transactions") or []
+                               if t.get("seller_transaction_id")),
+                respond_by=int(datetime.fromisoformat(due.replace("Z", "+00:00")).timestamp()) if due else None)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProcessorDeclined(f"paypal dispute {dispute_id} is malformed: {exc}",
+                                    code="MALFORMED_DISPUTE") from None
 
     # -- helpers ---------------------------------------------------------------------------------
     def _fetch_token(self, last_token: OAuthToken | None, auth: OAuth2) -> OAuthToken:

@@ -17,7 +17,7 @@ from processors.base import RefundRequest
 from processors.models import InboundEvent, SandboxControl, SandboxRefund
 from processors.money import Money
 from processors.registry import get_processor
-from refundops.models import Dispute, Payment, Refund, RefundState
+from refundops.models import Dispute, Payment, PaymentLink, PaymentLinkTemplate, Refund, RefundState
 from refundops.services import payouts
 from tests.conftest import make_customer, make_limits, make_payment, post
 from tests.fakes.fixtures import (
@@ -348,6 +348,180 @@ def test_a_closed_dispute_stays_closed_whatever_order_its_events_arrive_in(web, 
     payment.refresh_from_db()
     assert payment.dispute_status == expected
     assert Dispute.objects.get(payment=payment).status == expected
+
+
+def test_a_won_dispute_clears_paid_twice_when_it_was_the_only_one(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund_through_stripe(stripe_fake, payment, 5_000, status="succeeded")
+    dispute_id = stripe_fake.add_dispute(charge_of(stripe_fake, payment))
+    post_stripe_event(web, dispute_event(stripe_fake, "charge.dispute.created", dispute_id))
+    stripe_fake.disputes[dispute_id]["status"] = "won"
+
+    post_stripe_event(web, dispute_event(stripe_fake, "charge.dispute.closed", dispute_id))
+
+    payment.refresh_from_db()
+    assert (payment.dispute_status, payment.paid_twice) == ("won", False)
+    assert AuditEntry.objects.filter(action="payment.paid_twice_cleared", subject_id=payment.pk).count() == 1
+
+
+def test_a_won_dispute_keeps_paid_twice_while_another_of_the_payment_is_lost(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund_through_stripe(stripe_fake, payment, 2_000, status="succeeded")
+    charge = charge_of(stripe_fake, payment)
+    lost, won = stripe_fake.add_dispute(charge), stripe_fake.add_dispute(charge)
+    for dispute_id in (lost, won):
+        post_stripe_event(web, dispute_event(stripe_fake, "charge.dispute.created", dispute_id))
+    stripe_fake.disputes[lost]["status"], stripe_fake.disputes[won]["status"] = "lost", "won"
+
+    post_stripe_event(web, dispute_event(stripe_fake, "charge.dispute.closed", lost))
+    post_stripe_event(web, dispute_event(stripe_fake, "charge.dispute.closed", won))
+
+    payment.refresh_from_db()
+    assert (payment.dispute_status, payment.dispute_reference, payment.paid_twice) == ("lost", lost, True)
+    assert not AuditEntry.objects.filter(action="payment.paid_twice_cleared").exists()
+
+
+def test_a_won_dispute_keeps_paid_twice_while_another_of_the_payment_is_open(web, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund_through_stripe(stripe_fake, payment, 2_000, status="succeeded")
+    charge = charge_of(stripe_fake, payment)
+    still_open, won = stripe_fake.add_dispute(charge), stripe_fake.add_dispute(charge)
+    for dispute_id in (still_open, won):
+        post_stripe_event(web, dispute_event(stripe_fake, "charge.dispute.created", dispute_id))
+    stripe_fake.disputes[won]["status"] = "won"
+
+    post_stripe_event(web, dispute_event(stripe_fake, "charge.dispute.closed", won))
+
+    payment.refresh_from_db()
+    assert (payment.dispute_status, payment.dispute_reference, payment.paid_twice) == ("open", still_open, True)
+
+
+def test_a_dispute_lost_after_a_refund_made_while_it_was_open_marks_the_payment_paid_twice(web, gateways,
+                                                                                          stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    dispute_id = stripe_fake.add_dispute(charge_of(stripe_fake, payment))
+    post_stripe_event(web, dispute_event(stripe_fake, "charge.dispute.created", dispute_id))
+    refund_through_stripe(stripe_fake, payment, 5_000, status="succeeded")
+    stripe_fake.disputes[dispute_id]["status"] = "lost"
+
+    post_stripe_event(web, dispute_event(stripe_fake, "charge.dispute.closed", dispute_id))
+
+    payment.refresh_from_db()
+    assert (payment.dispute_status, payment.paid_twice) == ("lost", True)
+    assert AuditEntry.objects.filter(action="payment.paid_twice", subject_id=payment.pk).count() == 1
+
+
+# -- PayPal disputes --------------------------------------------------------------------------------
+def post_paypal_event(client: Client, fake: FakePayPal, event: dict):
+    headers = {f"HTTP_{k.upper().replace('-', '_')}": v
+               for k, v in fake.sign_webhook(event, webhook_id=PAYPAL_WEBHOOK_ID).items()}
+    return client.post("/webhooks/paypal/", data=json.dumps(event), content_type="application/json", **headers)
+
+
+def test_a_paypal_dispute_opens_on_the_capture_and_is_re_read_from_paypal(web, gateways, paypal_fake):
+    payment = paypal_payment(paypal_fake, "80.00")
+    dispute_id = paypal_fake.add_dispute(payment.processor_reference)
+
+    answer = post_paypal_event(web, paypal_fake, paypal_fake.dispute_event("CUSTOMER.DISPUTE.CREATED", dispute_id))
+
+    assert answer.status_code == 200 and answer.json()["applied"] is True
+    assert any(r.method == "GET" and r.path == f"/v1/customer/disputes/{dispute_id}" for r in paypal_fake.received)
+    payment.refresh_from_db()
+    assert (payment.dispute_status, payment.dispute_reference, payment.paid_twice) == ("open", dispute_id, False)
+    dispute = Dispute.objects.get(payment=payment)
+    assert (dispute.status, dispute.amount_minor, dispute.currency) == ("open", 8_000, "USD")
+    assert dispute.reason == "MERCHANDISE_OR_SERVICE_NOT_RECEIVED" and dispute.evidence_due_by is not None
+    assert InboundEvent.objects.get(event_id__startswith="WH-").object_id == dispute_id
+
+
+@pytest.mark.parametrize(("outcome", "expected"), [("RESOLVED_SELLER_FAVOUR", "won"),
+                                                    ("RESOLVED_BUYER_FAVOUR", "lost")])
+def test_a_resolved_paypal_dispute_is_won_or_lost_as_paypal_says_now(web, gateways, paypal_fake, outcome, expected):
+    payment = paypal_payment(paypal_fake, "80.00")
+    dispute_id = paypal_fake.add_dispute(payment.processor_reference)
+    created = paypal_fake.dispute_event("CUSTOMER.DISPUTE.CREATED", dispute_id)
+    post_paypal_event(web, paypal_fake, created)
+    paypal_fake.resolve_dispute(dispute_id, outcome)
+
+    post_paypal_event(web, paypal_fake, paypal_fake.dispute_event("CUSTOMER.DISPUTE.RESOLVED", dispute_id))
+    post_paypal_event(web, paypal_fake, {**created, "id": "WH-LATE-CREATED"})  # late, and stale
+
+    payment.refresh_from_db()
+    assert payment.dispute_status == expected and Dispute.objects.get(payment=payment).status == expected
+    assert [e.action for e in AuditEntry.objects.filter(subject_id=payment.pk).order_by("seq")] == [
+        "dispute.opened", f"dispute.{expected}"]
+
+
+def test_a_paypal_dispute_on_a_refunded_capture_marks_it_paid_twice(web, gateways, paypal_fake):
+    payment = paypal_payment(paypal_fake, "80.00")
+    refund = Refund.objects.create(payment=payment, amount_minor=8_000, currency="USD", reason="duplicate",
+                                   status=S.APPROVED)
+    assert payouts.submit_refund(refund_id=refund.pk).status == S.SETTLED
+    dispute_id = paypal_fake.add_dispute(payment.processor_reference)
+
+    post_paypal_event(web, paypal_fake, paypal_fake.dispute_event("CUSTOMER.DISPUTE.CREATED", dispute_id))
+
+    payment.refresh_from_db()
+    assert payment.paid_twice is True and payment.dispute_status == Payment.Dispute.OPEN
+    entry = AuditEntry.objects.get(action="payment.paid_twice", subject_id=payment.pk)
+    assert entry.data["amount_refunded_minor"] == 8_000
+
+
+def test_a_paypal_dispute_paypal_does_not_show_is_acknowledged_and_kept_unapplied(web, gateways, paypal_fake):
+    payment = paypal_payment(paypal_fake, "80.00")
+    dispute_id = paypal_fake.add_dispute(payment.processor_reference)
+    event = paypal_fake.dispute_event("CUSTOMER.DISPUTE.CREATED", dispute_id)
+    del paypal_fake.disputes[dispute_id]
+
+    answer = post_paypal_event(web, paypal_fake, event)
+
+    assert answer.status_code == 200 and answer.json()["applied"] is False
+    assert "INVALID_RESOURCE_ID" in InboundEvent.objects.get(event_id=event["id"]).error
+    payment.refresh_from_db()
+    assert payment.dispute_status == "none" and not Dispute.objects.exists()
+
+
+# -- Stripe payment links ---------------------------------------------------------------------------
+@pytest.fixture
+def link_template() -> PaymentLinkTemplate:
+    return PaymentLinkTemplate.objects.create(name="balance", message="Please pay $amount: $url",
+                                              approved_at=datetime.now(timezone.utc))
+
+
+@pytest.mark.parametrize("event_type", ["checkout.session.completed", "payment_intent.succeeded"])
+def test_a_stripe_payment_link_paid_is_marked_paid_once(web, gateways, stripe_fake, api, policy, link_template,
+                                                        event_type):
+    payment = stripe_payment(stripe_fake, 5_000, order_reference="INV-77", amount_owed_minor=3_000)
+    sent = post(api, "/api/v1/payment-links", {"order_reference": "INV-77", "template": link_template.pk,
+                                               "amount": 3_000})
+    assert sent.status_code == 201, sent.json()
+    link = PaymentLink.objects.get(pk=sent.json()["payment_link"]["id"])
+    session, intent = stripe_fake.pay_payment_link(link.processor_link_id)
+    event = stripe_event(event_type, session if event_type.startswith("checkout") else intent)
+
+    first, again = post_stripe_event(web, event), post_stripe_event(web, event)
+
+    assert (first.status_code, again.status_code, again.json()["duplicate"]) == (200, 200, True)
+    link.refresh_from_db()
+    payment.refresh_from_db()
+    assert link.status == PaymentLink.Status.PAID and payment.amount_owed_minor == 0
+    entry = AuditEntry.objects.get(action="payment_link.paid", subject_id=link.pk)
+    assert entry.actor == "system:webhook"
+
+
+def test_a_checkout_session_not_yet_paid_leaves_the_link_sent(web, gateways, stripe_fake, api, policy,
+                                                              link_template):
+    stripe_payment(stripe_fake, 5_000, order_reference="INV-78", amount_owed_minor=3_000)
+    sent = post(api, "/api/v1/payment-links", {"order_reference": "INV-78", "template": link_template.pk,
+                                               "amount": 3_000})
+    link = PaymentLink.objects.get(pk=sent.json()["payment_link"]["id"])
+    session, _ = stripe_fake.pay_payment_link(link.processor_link_id)
+
+    post_stripe_event(web, stripe_event("checkout.session.completed", {**session, "payment_status": "unpaid"}))
+
+    link.refresh_from_db()
+    assert link.status == PaymentLink.Status.SENT
+    assert not AuditEntry.objects.filter(action="payment_link.paid").exists()
 
 
 # -- the sandbox gateway ----------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Applying verified gateway events to our records: refunds (ours and those made on the gateway
-directly) and disputes.
+directly), disputes, and Stripe payment links paid.
 
 Events arrive late, twice, and out of order, so none is trusted for *where things stand*: each
-handler asks the gateway for the object's current state (``fetch_refund``, Stripe's
+handler asks the gateway for the object's current state (``fetch_refund``, each gateway's
 ``fetch_dispute``) and moves our records to match it. Applying the same state twice changes
 nothing, which is what makes a duplicate delivery harmless and the order of events irrelevant.
 What an event is *about* (which payment, which of our refunds) is read from its verified body.
@@ -23,10 +23,12 @@ from django.utils import timezone
 from audit.models import Verdict
 from audit.services import record_audit
 from processors.base import ProcessorUnavailable, RefundResult, WebhookEvent
+from processors.paypal import PayPalDispute, PayPalProcessor
 from processors.registry import get_processor
 from processors.stripe import StripeProcessor
-from refundops.locks import lock_payment
-from refundops.models import Dispute, Payment, Reason, Refund, RefundState
+from refundops.locks import lock_payment, lock_platform
+from refundops.models import Dispute, Payment, PaymentLink, Reason, Refund, RefundState
+from refundops.services.payments import mark_payment_link_paid
 from refundops.services.payouts import record_gateway_result
 from refundops.services.refunds import estimate_arrival, sync_payment_amounts
 
@@ -45,12 +47,21 @@ REFUND_EVENTS: dict[str, frozenset[str]] = {
 STRIPE_DISPUTE_EVENTS = frozenset({"charge.dispute.created", "charge.dispute.updated", "charge.dispute.closed",
                                    "charge.dispute.funds_withdrawn", "charge.dispute.funds_reinstated"})
 SANDBOX_DISPUTE_EVENTS = frozenset({"dispute.created", "dispute.updated", "dispute.closed"})
+PAYPAL_DISPUTE_EVENTS = frozenset({"CUSTOMER.DISPUTE.CREATED", "CUSTOMER.DISPUTE.UPDATED",
+                                   "CUSTOMER.DISPUTE.RESOLVED"})
+# A Checkout Session paid later (bank debits) completes unpaid and reports the money separately.
+STRIPE_LINK_SESSION_EVENTS = frozenset({"checkout.session.completed", "checkout.session.async_payment_succeeded"})
 STRIPE_REASONS = {"duplicate": Reason.DUPLICATE, "fraudulent": Reason.FRAUDULENT,
                   "requested_by_customer": Reason.CUSTOMER_REQUEST}
 # Stripe's dispute statuses, as our payment's dispute state. An inquiry closed without a
 # chargeback (warning_closed) and a prevented dispute cost nothing: won.
 DISPUTE_STATUSES = {"won": Dispute.Status.WON, "lost": Dispute.Status.LOST,
                     "warning_closed": Dispute.Status.WON, "prevented": Dispute.Status.WON}
+# How a resolved PayPal dispute ended, for the merchant. With a payout, PayPal paid the buyer
+# from its own funds (seller protection): the merchant keeps the money, so it is won. Any
+# other or unknown outcome is taken as lost, the reading that never hides money gone.
+PAYPAL_OUTCOMES = {"RESOLVED_SELLER_FAVOUR": Dispute.Status.WON, "CANCELED_BY_BUYER": Dispute.Status.WON,
+                   "DENIED": Dispute.Status.WON, "RESOLVED_WITH_PAYOUT": Dispute.Status.WON}
 
 
 class NotReady(ProcessorUnavailable):
@@ -97,6 +108,18 @@ def apply_event(event: WebhookEvent, *, account: str) -> str:
             status=DISPUTE_STATUSES.get(dispute.status, Dispute.Status.OPEN), reason=dispute.reason,
             amount_minor=dispute.amount.amount_minor, currency=dispute.amount.currency,
             evidence_due_by=dispute.evidence_due_by)
+    if event.processor == "paypal" and event.type in PAYPAL_DISPUTE_EVENTS:
+        processor = get_processor("paypal", account)
+        assert isinstance(processor, PayPalProcessor)
+        found = processor.fetch_dispute(event.object_id)
+        return apply_dispute_news(
+            processor="paypal", account=account, reference=found.id, event=event,
+            payment_references=found.captures, status=_paypal_dispute_status(found), reason=found.reason,
+            amount_minor=found.amount.amount_minor if found.amount else None,
+            currency=found.amount.currency if found.amount else "", evidence_due_by=found.respond_by)
+    if event.processor == "stripe" and (event.type in STRIPE_LINK_SESSION_EVENTS
+                                        or event.type == "payment_intent.succeeded"):
+        return apply_payment_link_news(account=account, event=event)
     if event.processor == "sandbox" and event.type in SANDBOX_DISPUTE_EVENTS:
         # The sandbox keeps no disputes of its own to ask: its signed event is the record.
         data = event.data
@@ -107,6 +130,33 @@ def apply_event(event: WebhookEvent, *, account: str) -> str:
             reason=str(data.get("reason") or ""), amount_minor=int(data["amount"]) if data.get("amount") else None,
             currency=str(data.get("currency") or "").upper(), evidence_due_by=data.get("evidence_due_by"))
     return f"not an event RefundOps acts on ({event.type})"
+
+
+def _paypal_dispute_status(dispute: PayPalDispute) -> str:
+    if dispute.status != "RESOLVED":
+        return Dispute.Status.OPEN
+    return PAYPAL_OUTCOMES.get(dispute.outcome, Dispute.Status.LOST)
+
+
+def apply_payment_link_news(*, account: str, event: WebhookEvent) -> str:
+    """A customer paid through one of our Stripe payment links. A Checkout Session names the link
+    (``payment_link``); the payment intent it made carries our link id in its metadata, which
+    ``create_payment_link`` put there. Paid is final on Stripe, so the verified event suffices."""
+    data = event.data
+    if event.type == "payment_intent.succeeded":
+        link_id = str((data.get("metadata") or {}).get("payment_link_id") or "")
+        links = PaymentLink.objects.filter(pk=link_id) if link_id else PaymentLink.objects.none()
+    else:
+        if data.get("payment_status") != "paid":
+            return f"checkout session {event.object_id} is {data.get('payment_status')}: not paid yet"
+        links = PaymentLink.objects.filter(processor_link_id=str(data.get("payment_link") or ""))
+    link = links.filter(payment__processor="stripe", payment__processor_account=account) \
+        .exclude(processor_link_id="").first()
+    if link is None:
+        return f"{event.object_id}: not paid through a payment link of ours"
+    before = link.status
+    link = mark_payment_link_paid(link_id=link.pk, actor="system:webhook")
+    return f"{link.pk}: already paid" if before == PaymentLink.Status.PAID else f"{link.pk}: paid"
 
 
 def _refund_clues(processor: str, data: Mapping[str, Any]) -> RefundClues:
@@ -150,13 +200,17 @@ def _our_refund(processor: str, account: str, clues: RefundClues, result: Refund
 def apply_refund_news(*, processor: str, account: str, clues: RefundClues, event: WebhookEvent) -> str:
     result = get_processor(processor, account).fetch_refund(clues.refund_reference)
     ours = _our_refund(processor, account, clues, result)
+    if ours is None and result.status not in ("pending", "succeeded") and clues.our_refund_id:
+        if Refund.objects.filter(pk=clues.our_refund_id, status=RefundState.APPROVED, processor_refund_id="").exists():
+            raise NotReady(f"{clues.our_refund_id} is still being submitted; its own answer comes first")
+        # No longer waiting: the worker may have recorded this very gateway refund since the
+        # first look, and its failure must not be dropped as someone else's.
+        ours = _our_refund(processor, account, clues, result)
     if ours is not None:
         before = ours.status
         after = record_gateway_result(refund_id=ours.pk, result=result).status
         return f"{ours.pk}: {before} → {after}" if after != before else f"{ours.pk}: already {after}"
     if result.status not in ("pending", "succeeded"):
-        if Refund.objects.filter(pk=clues.our_refund_id, status=RefundState.APPROVED, processor_refund_id="").exists():
-            raise NotReady(f"{clues.our_refund_id} is still being submitted; its own answer comes first")
         return f"{result.processor_refund_id} is {result.status} and was never ours: nothing to record"
     payment = _find_payment(processor, account, clues.payment_references)
     if payment is None:
@@ -170,6 +224,9 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
     running total and the refundable amount count it. Under the payment lock, once."""
     payment = lock_payment(payment_id)
     assert payment is not None
+    # Payment, then platform, as refund decisions take them: the customer's and the platform's
+    # running totals change here, so no decision may be taken on totals without this refund.
+    lock_platform()
     existing = Refund.objects.filter(payment=payment, processor_refund_id=result.processor_refund_id).first()
     if existing is not None:  # a concurrent delivery got here first
         return f"{existing.pk}: already recorded"
@@ -235,7 +292,6 @@ def apply_dispute_news(*, processor: str, account: str, reference: str, event: W
     payment = lock_payment(found.pk)
     assert payment is not None
     dispute = Dispute.objects.select_for_update().filter(payment=payment, processor_dispute_id=reference).first()
-    opened = dispute is None
     if dispute is None:
         dispute = Dispute(payment=payment, processor_dispute_id=reference, status=status, reason=reason[:60],
                           amount_minor=amount_minor or payment.amount_captured_minor,
@@ -247,23 +303,45 @@ def apply_dispute_news(*, processor: str, account: str, reference: str, event: W
         dispute.evidence_due_by = datetime.fromtimestamp(int(evidence_due_by), tz=dt_timezone.utc)
     dispute._change_reason = f"{processor} event {event.event_id}"
     dispute.save()
-    before = payment.dispute_status
-    payment.dispute_status, payment.dispute_reference = status, reference
-    updated = ["dispute_status", "dispute_reference"]
-    refunded = payment.refunds.filter(status__in=(RefundState.SUBMITTED, RefundState.SETTLED)).exists()
-    if opened and refunded and not payment.paid_twice:
-        # The customer got money back from us and now asks their bank for it too.
-        payment.paid_twice = True
-        updated.append("paid_twice")
+    before, was_paid_twice = payment.dispute_status, payment.paid_twice
+    payment.dispute_status, payment.dispute_reference = _standing(payment)
+    payment.paid_twice = _paid_twice(payment, dispute)
     payment._change_reason = f"dispute {reference}: {status}"
-    payment.save(update_fields=updated)
+    payment.save(update_fields=["dispute_status", "dispute_reference", "paid_twice"])
     action = "dispute.opened" if status == Dispute.Status.OPEN else f"dispute.{status}"
     record_audit(actor=ACTOR, action=action, subject_type="payment", subject_id=payment.pk,
                  data={"dispute_id": dispute.pk, "processor_dispute_id": reference, "from": before,
-                       "to": status, "event_id": event.event_id})
-    if "paid_twice" in updated:
-        record_audit(actor=ACTOR, action="payment.paid_twice", subject_type="payment", subject_id=payment.pk,
+                       "to": payment.dispute_status, "event_id": event.event_id})
+    if payment.paid_twice != was_paid_twice:
+        record_audit(actor=ACTOR, action="payment.paid_twice" if payment.paid_twice else "payment.paid_twice_cleared",
+                     subject_type="payment", subject_id=payment.pk,
                      data={"dispute_id": dispute.pk, "amount_refunded_minor": payment.amount_refunded_minor,
                            "amount_reserved_minor": payment.amount_reserved_minor, "event_id": event.event_id})
+    if payment.paid_twice and not was_paid_twice:
         log.error("payment %s: disputed after it was refunded; it may be paid back twice", payment.pk)
-    return f"dispute {dispute.pk}: {before} → {status}"
+    return f"dispute {dispute.pk}: {before} → {payment.dispute_status}"
+
+
+def _standing(payment: Payment) -> tuple[str, str]:
+    """The payment's dispute state over all its disputes: open while any is open (money is still
+    at stake), else lost if any was lost, else won; with the dispute that decides it."""
+    disputes = list(payment.disputes.order_by("-created_at"))
+    for status in (Dispute.Status.OPEN, Dispute.Status.LOST, Dispute.Status.WON):
+        deciding = next((d for d in disputes if d.status == status), None)
+        if deciding is not None:
+            return status, deciding.processor_dispute_id
+    return Payment.Dispute.NONE, ""
+
+
+def _paid_twice(payment: Payment, changed: Dispute) -> bool:
+    """Refunded by us and disputed too: the customer may get the money back twice.
+
+    Set when a dispute opens or is lost on a payment with a refund at the gateway. Cleared only
+    when the dispute that moved is won and no other dispute of the payment is lost (the money
+    went back twice) or still open (it may yet): a won dispute settles only itself."""
+    refunded = payment.refunds.filter(status__in=(RefundState.SUBMITTED, RefundState.SETTLED)).exists()
+    if changed.status in (Dispute.Status.OPEN, Dispute.Status.LOST):
+        return payment.paid_twice or refunded
+    others_at_stake = payment.disputes.exclude(pk=changed.pk).filter(
+        status__in=(Dispute.Status.OPEN, Dispute.Status.LOST)).exists()
+    return payment.paid_twice and others_at_stake

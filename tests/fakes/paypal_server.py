@@ -101,6 +101,7 @@ class FakePayPal(FakeGateway):
         self.captures: dict[str, dict[str, Any]] = {}
         self.authorizations: dict[str, dict[str, Any]] = {}
         self.refunds: dict[str, dict[str, Any]] = {}
+        self.disputes: dict[str, dict[str, Any]] = {}
         self.tokens_issued = 0
         self.next_refund_status = "COMPLETED"
         self._tokens: set[str] = set()
@@ -112,6 +113,7 @@ class FakePayPal(FakeGateway):
             ("POST", re.compile(r"/v2/payments/authorizations/(?P<id>[^/]+)/void"), self._void),
             ("POST", re.compile(r"/v2/payments/authorizations/(?P<id>[^/]+)/capture"), self._capture),
             ("POST", re.compile(r"/v1/notifications/verify-webhook-signature"), self._verify),
+            ("GET", re.compile(r"/v1/customer/disputes/(?P<id>[^/]+)"), self._get_dispute),
         ]
 
     # -- control API for tests -------------------------------------------------------------------
@@ -137,6 +139,39 @@ class FakePayPal(FakeGateway):
                 self.captures[refund["capture_id"]]["refunded"] -= Decimal(refund["amount"]["value"])
             refund["status"] = status
             refund["update_time"] = _now()
+
+    def add_dispute(self, capture_id: str, *, reason: str = "MERCHANDISE_OR_SERVICE_NOT_RECEIVED") -> str:
+        """A buyer's dispute of the whole capture, waiting for the seller's response."""
+        with self.lock:
+            capture = self.captures[capture_id]
+            dispute_id = f"PP-D-{secrets.randbelow(10**6):06d}"
+            self.disputes[dispute_id] = {
+                "dispute_id": dispute_id, "create_time": _now(), "update_time": _now(),
+                "disputed_transactions": [{"seller_transaction_id": capture_id,
+                                           "create_time": capture["create_time"],
+                                           "transaction_status": "COMPLETED",
+                                           "gross_amount": capture["amount"]}],
+                "reason": reason, "status": "WAITING_FOR_SELLER_RESPONSE",
+                "dispute_amount": capture["amount"], "dispute_life_cycle_stage": "CHARGEBACK",
+                "dispute_channel": "EXTERNAL", "seller_response_due_date": _now(timedelta(days=10)),
+            }
+            return dispute_id
+
+    def resolve_dispute(self, dispute_id: str, outcome_code: str) -> None:
+        """Close a dispute, e.g. ``RESOLVED_SELLER_FAVOUR`` (won) or ``RESOLVED_BUYER_FAVOUR`` (lost)."""
+        with self.lock:
+            dispute = self.disputes[dispute_id]
+            dispute.update(status="RESOLVED", update_time=_now(),
+                           dispute_outcome={"outcome_code": outcome_code})
+            dispute.pop("seller_response_due_date", None)
+
+    def dispute_event(self, event_type: str, dispute_id: str) -> dict[str, Any]:
+        """A ``CUSTOMER.DISPUTE.*`` webhook event as PayPal sends it: the dispute as its resource."""
+        with self.lock:
+            resource = json.loads(json.dumps(self.disputes[dispute_id]))
+        return {"id": f"WH-{_new_id()}", "event_version": "1.0", "resource_type": "dispute",
+                "event_type": event_type, "summary": f"Dispute {dispute_id}", "create_time": _now(),
+                "resource": resource}
 
     @property
     def refund_count(self) -> int:
@@ -272,6 +307,14 @@ class FakePayPal(FakeGateway):
                                 "Specified resource ID does not exist.", field="refund_id",
                                 location="path")
         return _json(200, self._representation(refund))
+
+    def _get_dispute(self, body: dict[str, Any], request: Request, id: str) -> Response:
+        dispute = self.disputes.get(id)
+        if dispute is None:
+            return paypal_error(404, "RESOURCE_NOT_FOUND", "INVALID_RESOURCE_ID",
+                                "Specified resource ID does not exist.", field="dispute_id",
+                                location="path")
+        return _json(200, dispute)
 
     def _void(self, body: dict[str, Any], request: Request, id: str) -> Response:
         authorization = self.authorizations.get(id)

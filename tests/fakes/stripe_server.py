@@ -152,6 +152,23 @@ class FakeStripe(FakeGateway):
             }
             return intent_id
 
+    def pay_payment_link(self, link_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A customer pays through a link: the completed Checkout Session and the payment intent
+        it made, which carries the link's ``payment_intent_data.metadata`` as Stripe copies it."""
+        with self.lock:
+            link = self.payment_links[link_id]
+            amount = sum(item["amount_total"] for item in link["line_items"])
+            intent_id = self.add_payment_intent(amount, link["currency"])
+            intent = self.payment_intents[intent_id]
+            intent["metadata"] = dict(link["payment_intent_data"]["metadata"])
+            session = {
+                "id": _new_id("cs_test"), "object": "checkout.session", "amount_total": amount,
+                "currency": link["currency"], "livemode": False, "metadata": dict(link["metadata"]),
+                "mode": "payment", "payment_intent": intent_id, "payment_link": link_id,
+                "payment_status": "paid", "status": "complete",
+            }
+            return session, dict(intent)
+
     def add_charge(self, amount: int, currency: str = "usd") -> str:
         """A captured charge made without a payment intent (the older Charges API)."""
         with self.lock:
