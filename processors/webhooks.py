@@ -125,9 +125,11 @@ class GatewayWebhookView(View):
             # Kept on the event for an operator; the gateway's retry may find it applied by then.
             InboundEvent.objects.filter(pk=inbound.pk).update(error=f"{type(failure).__name__}: {failure}"[:2000])
             raise
-        InboundEvent.objects.filter(pk=inbound.pk).update(applied_at=timezone.now(), outcome=outcome[:2000],
-                                                          error="")
-        return JsonResponse({"received": True, "event_id": event.event_id, "duplicate": False, "applied": True})
+        # Deliveries at the same moment all apply (every applier is idempotent under its locks);
+        # the first to finish records its outcome, and the others are answered as duplicates.
+        first = InboundEvent.objects.filter(pk=inbound.pk, applied_at__isnull=True).update(
+            applied_at=timezone.now(), outcome=outcome[:2000], error="")
+        return JsonResponse({"received": True, "event_id": event.event_id, "duplicate": not first, "applied": True})
 
 
 def _answer(status: int, code: str, message: str, *, retry_after: float | None = None) -> JsonResponse:
