@@ -79,6 +79,30 @@ def reject_refund(*, refund_id: str, approver, note: str = "") -> Refund:
     return refund
 
 
+@transaction.atomic
+def resubmit_refund(*, refund_id: str, approver, note: str = "") -> Refund:
+    """A person sends a refund the gateway failed to it again, as a new attempt (a new gateway
+    idempotency key). Its amount must still fit what the payment can refund."""
+    refund = _locked(refund_id)
+    if refund.status != RefundState.FAILED:
+        raise ApprovalError("REFUND_NOT_FAILED", f"Refund {refund.pk} is {refund.status}; only a failed refund "
+                                                 f"can be sent again.")
+    ensure_approval_authority(approver=approver, refund=refund)
+    if refund.amount_minor > refund.payment.refundable_minor:
+        raise ApprovalError("AMOUNT_EXCEEDS_REFUNDABLE",
+                            f"{format_minor(refund.amount_minor, refund.currency)} no longer fits: only "
+                            f"{format_minor(max(refund.payment.refundable_minor, 0), refund.currency)} is "
+                            f"refundable on {refund.payment_id} now.")
+    refund.resubmit()
+    refund._change_reason = f"resubmitted by {approver.get_username()}" + (f": {note}" if note else "")
+    refund.save()
+    sync_payment_amounts(refund.payment)
+    record_audit(actor=Caller.for_user(approver).label, action="refund.resubmitted", subject_type="refund",
+                 subject_id=refund.pk, data={"note": note, "attempt": refund.submit_attempts})
+    enqueue_submission(refund.pk)
+    return refund
+
+
 def expire_held_refunds(*, now=None) -> int:
     """Held refunds nobody decided within HELD_REFUND_EXPIRY_HOURS give their amount back."""
     now = now or timezone.now()

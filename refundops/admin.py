@@ -27,7 +27,7 @@ from django.utils.safestring import SafeString
 from django.views.decorators.http import require_POST
 
 from approvals.models import ApprovalAuthority
-from approvals.services import approve_refund, reject_refund
+from approvals.services import approve_refund, reject_refund, resubmit_refund
 from audit import charts
 from audit.admin import HistoryAdmin, ReadOnlyAdmin, ReadOnlyHistoryAdmin, admin_link, checks_table, money_or_dash
 from audit.services import record_audit
@@ -308,7 +308,7 @@ class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
     list_select_related = ["payment__customer", "agent", "requested_by"]
     date_hierarchy = "created_at"
     show_full_result_count = False
-    actions = ["approve_selected", "reject_selected"]
+    actions = ["approve_selected", "reject_selected", "resubmit_selected"]
     fieldsets = [
         (None, {"fields": ["id", "payment", "amount", "status", "origin", "reason", "note", "created_at",
                            "updated_at"]}),
@@ -373,6 +373,11 @@ class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
     def reject_selected(self, request, queryset):
         self._decide(request, queryset.order_by("created_at").values_list("pk", flat=True), reject_refund,
                      "Rejected", note="rejected from the refund list")
+
+    @admin.action(description="Send selected failed refunds to the gateway again", permissions=["approve"])
+    def resubmit_selected(self, request, queryset):
+        self._decide(request, queryset.order_by("created_at").values_list("pk", flat=True), resubmit_refund,
+                     "Sent again", note="resubmitted from the refund list")
 
     def get_urls(self):
         view = self.admin_site.admin_view

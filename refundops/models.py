@@ -189,6 +189,9 @@ class Refund(ConcurrentTransitionMixin, models.Model):
     failure_code = models.CharField(max_length=60, blank=True)
     failure_message = models.TextField(blank=True)
     submit_attempts = models.PositiveIntegerField(default=0)
+    # Set before the first gateway call of an attempt: from then on the money may have left, so
+    # only the gateway's answer (never a guess of ours) may end this refund.
+    gateway_called_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     updated_at = models.DateTimeField(auto_now=True)
     submitted_at = models.DateTimeField(null=True, blank=True)
@@ -259,6 +262,8 @@ class Refund(ConcurrentTransitionMixin, models.Model):
                 permission="refundops.approve_refund")
     def resubmit(self) -> None:
         self.failure_code, self.failure_message, self.processor_refund_id = "", "", ""
+        self.gateway_called_at = None
+        self.submit_attempts += 1  # a new gateway idempotency key: this is a new attempt on purpose
 
     @transition(field=status, source=[RefundState.REQUESTED, RefundState.HELD, RefundState.APPROVED,
                                       RefundState.SUBMITTED], target=RefundState.CANCELED)

@@ -188,3 +188,38 @@ def test_two_people_deciding_the_same_refund_at_once_decide_it_once():
         thread.join()
     assert sorted(outcomes) == ["REFUND_NOT_HELD", "done"]
     assert AuditEntry.objects.filter(action__in=["refund.approved", "refund.rejected"]).count() == 1
+
+
+def test_a_person_resubmits_a_failed_refund_as_a_new_gateway_attempt(held_policy, django_capture_on_commit_callbacks):
+    from approvals.services import resubmit_refund
+    from refundops.services import payouts
+
+    refund = held_refund(9_000)
+    alice = approver("alice", limit=50_000)
+    approve_refund(refund_id=refund.pk, approver=alice)
+    first_key = payouts.gateway_idempotency_key(Refund.objects.get(pk=refund.pk))
+    payouts.record_gateway_failure(refund_id=refund.pk, code="card_closed", message="card was closed")
+    with django_capture_on_commit_callbacks() as queued:
+        resubmitted = resubmit_refund(refund_id=refund.pk, approver=alice, note="customer has a new card")
+    assert resubmitted.status == RefundState.APPROVED and len(queued) == 1
+    assert payouts.gateway_idempotency_key(resubmitted) != first_key
+    assert resubmitted.payment.amount_reserved_minor == 9_000
+    with pytest.raises(ApprovalError) as refused:
+        resubmit_refund(refund_id=refund.pk, approver=alice)
+    assert refused.value.code == "REFUND_NOT_FAILED"
+
+
+def test_a_failed_refund_that_no_longer_fits_is_not_resubmitted(held_policy):
+    from approvals.services import resubmit_refund
+    from refundops.services import payouts
+
+    payment = make_payment(amount=20_000)
+    refund = held_refund(9_000, payment=payment)
+    alice = approver("alice", limit=50_000)
+    approve_refund(refund_id=refund.pk, approver=alice)
+    payouts.record_gateway_failure(refund_id=refund.pk, code="card_closed", message="card was closed")
+    ask(Caller.for_key(make_agent_key()[0]), payment, 15_000)  # the freed amount is taken meanwhile
+    with pytest.raises(ApprovalError) as refused:
+        resubmit_refund(refund_id=refund.pk, approver=alice)
+    assert refused.value.code == "AMOUNT_EXCEEDS_REFUNDABLE"
+    assert Refund.objects.get(pk=refund.pk).status == RefundState.FAILED

@@ -87,3 +87,21 @@ def test_a_refund_approved_automatically_on_an_undisputed_payment_is_paid(api, p
 
     assert refund.status == RefundState.SETTLED and stripe_fake.refund_count == 1
     assert Refund.objects.get(pk=refund.pk).processor_refund_id
+
+
+def test_a_refund_whose_gateway_call_may_have_gone_out_is_not_canceled_but_asked_again(
+        api, policy, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund_id = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 2_000,
+                                              "reason": "customer_request"}).json()["refund"]["id"]
+    stripe_fake.set_mode("down")
+    with pytest.raises(payouts.ProcessorUnavailable):
+        payouts.submit_refund(refund_id=refund_id)  # a call went out: whether money moved is the gateway's to say
+    stripe_fake.set_mode("up")
+    open_dispute(stripe_fake, payment)
+
+    refund = payouts.submit_refund(refund_id=refund_id)  # the retry
+
+    assert refund.status in (RefundState.SUBMITTED, RefundState.SETTLED)
+    assert stripe_fake.refund_count == 1  # the same idempotency key: paid once, recorded truly
+    assert AuditEntry.objects.filter(subject_id=refund_id, action="refund.disputed_in_flight").exists()

@@ -78,6 +78,9 @@ def submit_refund(*, refund_id: str) -> Refund:
     refund = cancel_if_disputed_since_approval(refund_id=refund_id)
     if refund.status != RefundState.APPROVED:
         return refund  # already submitted, settled, failed or canceled: nothing to do
+    if refund.gateway_called_at is None:
+        refund.gateway_called_at = timezone.now()
+        Refund.objects.filter(pk=refund.pk).update(gateway_called_at=refund.gateway_called_at)
     processor = get_processor(refund.payment.processor, refund.payment.processor_account)
     request = RefundRequest(payment=payment_ref(refund.payment), amount=refund.money, reason=refund.reason,
                             idempotency_key=gateway_idempotency_key(refund), refund_id=refund.pk,
@@ -97,6 +100,12 @@ def cancel_if_disputed_since_approval(*, refund_id: str) -> Refund:
     the automatic approval and the payment. A refund a person approved is theirs to answer for."""
     refund = _lock(refund_id)
     if refund.status != RefundState.APPROVED or not refund.payment.is_disputed or approved_by_a_person(refund):
+        return refund
+    if refund.gateway_called_at is not None:
+        # An earlier attempt may have paid it (a worker that died mid-call): only the gateway knows,
+        # and asking again with the same idempotency key cannot pay twice. Alert rather than guess.
+        record_audit(actor=WORKER, action="refund.disputed_in_flight", subject_type="refund",
+                     subject_id=refund.pk, data={"processor_dispute_id": refund.payment.dispute_reference})
         return refund
     refund.cancel(message=f"The payment was disputed ({refund.payment.dispute_reference}) after this refund "
                           f"was approved automatically and before it was paid; paying it as well could "
