@@ -22,18 +22,25 @@ log = logging.getLogger(__name__)
 PAYMENT_TASKS = ("refundops.tasks.submit_refund", "refundops.tasks.sync_refund")
 
 
-def route_payment_task(name, args, kwargs, options, task=None, **kw):
+def payment_queue(processor: str | None) -> str:
     """One queue per gateway (``payments.stripe``, …), so a slow gateway does not starve the others."""
-    if name not in PAYMENT_TASKS:
+    return f"payments.{processor or 'sandbox'}"
+
+
+def route_payment_task(name, args, kwargs, options, task=None, **kw):
+    """The gateway's queue for a payment task sent without one (retries, syncs, sweeps): one query."""
+    if name not in PAYMENT_TASKS or options.get("queue"):
         return None
     processor = (Refund.objects.filter(pk=(kwargs or {}).get("refund_id"))
                  .values_list("payment__processor", flat=True).first())
-    return {"queue": f"payments.{processor or 'sandbox'}"}
+    return {"queue": payment_queue(processor)}
 
 
-def enqueue_submission(refund_id: str) -> None:
-    """Hand an approved refund to the worker once the approving transaction commits."""
-    transaction.on_commit(lambda: submit_refund.delay(refund_id=refund_id))
+def enqueue_submission(refund_id: str, *, processor: str | None = None) -> None:
+    """Hand an approved refund to the worker once the approving transaction commits. A caller that
+    knows the payment's ``processor`` names it, which spares the router its query."""
+    queue = payment_queue(processor) if processor else None  # None: the router looks it up
+    transaction.on_commit(lambda: submit_refund.apply_async(kwargs={"refund_id": refund_id}, queue=queue))
 
 
 def backoff_seconds(attempt: int, *, retry_after: float | None = None) -> float:
