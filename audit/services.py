@@ -17,7 +17,8 @@ _CHAIN_LOCK_ID = 0x52454655  # "REFU": one advisory lock serialises appends to t
 def record_audit(*, actor: str, action: str, subject_type: str, subject_id: str,
                  data: dict[str, Any] | None = None) -> AuditEntry:
     """Append one entry in the caller's transaction (so it commits or rolls back with the act)."""
-    with transaction.atomic():
+    # No savepoint of its own: an append that fails fails the act it records.
+    with transaction.atomic(savepoint=False):
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_CHAIN_LOCK_ID])

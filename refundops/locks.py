@@ -16,6 +16,9 @@ def lock_refund(refund_id: str) -> Refund:
 
 
 def lock_platform() -> PlatformState:
-    """Serialises every write that moves a global running total."""
-    PlatformState.objects.get_or_create(pk=1)
-    return PlatformState.objects.select_for_update().get(pk=1)
+    """Serialises every write that moves a global running total. One query once the row exists."""
+    state = PlatformState.objects.select_for_update().filter(pk=1).first()
+    if state is None:
+        PlatformState.objects.get_or_create(pk=1)
+        state = PlatformState.objects.select_for_update().get(pk=1)
+    return state
