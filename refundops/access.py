@@ -8,6 +8,7 @@ import hmac
 import secrets
 from datetime import timedelta
 
+from django.db.models import Exists
 from django.utils import timezone
 
 from refundops.errors import ApiError
@@ -31,8 +32,10 @@ def authenticate_key(raw: str | None) -> AgentKey:
     """The live key for ``raw``, or ApiError UNAUTHENTICATED saying why. Used by REST and MCP."""
     if not raw:
         raise ApiError("UNAUTHENTICATED", "Send your agent key as 'Authorization: Bearer rk_…'.")
-    key = (AgentKey.objects.select_related("agent").filter(prefix=raw[:KEY_PREFIX_LENGTH]).first()
-           if raw.startswith("rk_") else None)
+    # The operators' "all agents off" switch comes in the same query as the key.
+    all_disabled = Exists(PlatformState.objects.filter(pk=1, agents_disabled=True))
+    key = (AgentKey.objects.select_related("agent").annotate(all_agents_disabled=all_disabled)
+           .filter(prefix=raw[:KEY_PREFIX_LENGTH]).first() if raw.startswith("rk_") else None)
     if key is None or not hmac.compare_digest(key.key_hash, hash_key(raw)):
         raise ApiError("UNAUTHENTICATED", "This agent key is not recognised.")
     now = timezone.now()
@@ -42,7 +45,7 @@ def authenticate_key(raw: str | None) -> AgentKey:
         raise ApiError("UNAUTHENTICATED", f"Key {key.prefix}… expired; ask an operator for a new one.")
     if not key.agent.is_active:
         raise ApiError("UNAUTHENTICATED", f"Agent {key.agent.name} is disabled.")
-    if PlatformState.objects.filter(pk=1, agents_disabled=True).exists():
+    if key.all_agents_disabled:
         raise ApiError("UNAUTHENTICATED", "All agent access is switched off by an operator.")
     if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
         AgentKey.objects.filter(pk=key.pk).update(last_used_at=now)
