@@ -8,7 +8,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import connection
+from django.utils import timezone
 
 from refundops.models import IdempotencyRecord
 
@@ -31,18 +32,26 @@ def find(scope: str, key: str, digest: str) -> Replay | None:
     return Replay(record, reused=record.request_hash != digest)
 
 
+# ON CONFLICT DO NOTHING rather than catching the unique violation: one statement, and no
+# savepoint to keep the transaction usable. PostgreSQL and SQLite alike.
+_CLAIM_SQL = f"""
+INSERT INTO {IdempotencyRecord._meta.db_table}
+  (scope, "key", operation, request_hash, response_status, response_body, created_at)
+VALUES (%s, %s, %s, %s, 0, '{{}}', %s)
+ON CONFLICT (scope, "key") DO NOTHING
+RETURNING id"""
+
+
 def claim(scope: str, key: str, operation: str, digest: str) -> Replay:
     """Inside the caller's transaction: take the key, or learn who has it. A concurrent first use
     blocks here on the unique index until it commits, then we replay its answer."""
-    try:
-        with transaction.atomic():
-            IdempotencyRecord.objects.create(scope=scope, key=key, operation=operation,
-                                                      request_hash=digest, response_status=0,
-                                                      response_body={})
-    except IntegrityError:
-        existing = IdempotencyRecord.objects.get(scope=scope, key=key)
-        return Replay(existing, reused=existing.request_hash != digest)
-    return Replay(record=None)
+    now = connection.ops.adapt_datetimefield_value(timezone.now())
+    with connection.cursor() as cursor:
+        cursor.execute(_CLAIM_SQL, [scope, key, operation, digest, now])
+        if cursor.fetchone() is not None:
+            return Replay(record=None)
+    existing = IdempotencyRecord.objects.get(scope=scope, key=key)
+    return Replay(existing, reused=existing.request_hash != digest)
 
 
 def store(scope: str, key: str, status: int, body: dict[str, Any]) -> None:
