@@ -8,8 +8,7 @@ from datetime import date, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
-from django.db.models import Q, Sum
+from django.db import connection, transaction
 from django.utils import timezone
 
 from audit.models import Verdict
@@ -62,13 +61,9 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
                                          message=message)
         return error_answer("IDEMPOTENCY_KEY_REQUIRED", message, verdict_id=verdict.id)
     scope, digest = caller.idempotency_scope, idempotency.request_hash(operation, data)
-    if not dry_run:
-        replay = idempotency.find(scope, idempotency_key, digest)
-        if replay is not None:
-            return _replay(base, replay)
     now = timezone.now()
     with transaction.atomic():
-        if not dry_run:
+        if not dry_run:  # a replay, too, learns its first answer here
             replay = idempotency.claim(scope, idempotency_key, operation, digest)
             if replay.record is not None:
                 return _replay(base, replay)
@@ -81,9 +76,8 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
                                              message=message, payment_id=ask.transaction_id)
             answer = error_answer("PAYMENT_NOT_FOUND", message, verdict_id=verdict.id)
         else:
-            platform = PlatformState.current()  # locked later, for as short a time as may be
             answer = _decide_for_payment(caller=caller, payment=payment, ask=ask, base=base, now=now,
-                                         platform=platform, dry_run=dry_run, idempotency_key=idempotency_key)
+                                         dry_run=dry_run, idempotency_key=idempotency_key)
         if not dry_run:
             idempotency.store(scope, idempotency_key, answer.status, answer.body)
     return answer
@@ -110,8 +104,7 @@ def _outcome_of(answer: Answer) -> str:
 
 
 def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, base: dict[str, Any],
-                        now: datetime, platform: PlatformState, dry_run: bool,
-                        idempotency_key: str) -> Answer:
+                        now: datetime, dry_run: bool, idempotency_key: str) -> Answer:
     limits, rules = active_limits(payment.currency), active_rules()
     agent_id = caller.agent.id if caller.agent else None
     refund_ask = RefundAsk(amount_minor=ask.amount_minor, reason=ask.reason, destination=ask.destination,
@@ -119,17 +112,17 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     breaker_open = bool(agent_id) and breaker.is_open(now=now)
     locked = copy.copy(payment)  # the payment as locked, before this request reserves anything
 
-    def decide(state: PlatformState, exclude_refund_id: str = "") -> tuple[Decision, Totals]:
+    def decide(paused: bool, exclude_refund_id: str = "") -> tuple[Decision, Totals]:
         totals = running_totals(payment=locked, agent_id=agent_id, session_id=ask.agent.session_id, now=now,
                                 velocity_hours=rules.velocity_window_hours if rules else 24,
                                 exclude_refund_id=exclude_refund_id)
         return evaluate_refund(payment=locked, limits=limits, rules=rules, totals=totals, now=now, ask=refund_ask,
-                               paused=state.refunds_paused, breaker_open=breaker_open), totals
+                               paused=paused, breaker_open=breaker_open), totals
 
-    decision, totals = decide(platform)
     verdict = Verdict(**base, payment_id=payment.pk, currency=payment.currency,
                       policy_version=policy_version(limits, rules))
     if dry_run:
+        decision, totals = decide(PlatformState.current().refunds_paused)
         _fill_verdict(verdict, decision, totals).save()
         return _check_answer(payment, decision, verdict, totals, limits)
 
@@ -137,18 +130,19 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     # totals are exact under races. To keep that stretch short, the refund is written on the
     # decision taken without the lock; then the lock is taken and the decision taken again on
     # totals that include every committed refund. Almost always it stands; if not, the writes
-    # are undone and redone under the lock.
+    # are undone and redone under the lock. The kill switch is read under the lock only: before
+    # it, it counts as off (it almost always is; when it is on, the decision is overturned).
+    decision, totals = decide(paused=False)
     try:
         with transaction.atomic():  # a savepoint; on_commit callbacks made inside go if it is undone
             refund = _write_refund(caller=caller, payment=payment, ask=ask, decision=decision, verdict=verdict,
                                    now=now, idempotency_key=idempotency_key)
-            platform = lock_platform()
-            confirmed, totals = decide(platform, exclude_refund_id=refund.pk if refund else "")
+            paused = lock_platform().refunds_paused
+            confirmed, totals = decide(paused, exclude_refund_id=refund.pk if refund else "")
             if _outcome_key(confirmed) != _outcome_key(decision):
                 raise _Overturned
     except _Overturned:  # undoing the savepoint also let go of the lock taken inside it
-        platform = lock_platform()
-        confirmed, totals = decide(platform)
+        confirmed, totals = decide(lock_platform().refunds_paused)
         refund = _write_refund(caller=caller, payment=payment, ask=ask, decision=confirmed, verdict=verdict,
                                now=now, idempotency_key=idempotency_key)
     decision = confirmed
@@ -165,7 +159,7 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
                                                  "currency": refund.currency, "code": decision.code})
         if refund.status == RefundState.APPROVED:
             from refundops.tasks import enqueue_submission
-            enqueue_submission(refund.pk)
+            enqueue_submission(refund.pk, processor=payment.processor)
     if decision.outcome == "denied":
         extra = {"refund_id": refund.pk} if refund else {}
         return error_answer(decision.code, decision.message, verdict_id=verdict.id, **extra)
@@ -216,14 +210,23 @@ def _write_refund(*, caller: Caller, payment: Payment, ask: RefundInput, decisio
     return refund
 
 
+# Sums and stores in one statement (PostgreSQL and SQLite): the aggregate, then the update, each
+# cost a round trip while the payment row is locked.
+_SYNC_SQL = """
+UPDATE {payment} SET (amount_refunded_minor, amount_reserved_minor) = (
+  SELECT COALESCE(SUM(CASE WHEN status = %s THEN amount_minor END), 0),
+         COALESCE(SUM(CASE WHEN status IN ({reserving}) THEN amount_minor END), 0)
+    FROM {refund} WHERE payment_id = %s)
+ WHERE id = %s
+RETURNING amount_refunded_minor, amount_reserved_minor""".format(
+    payment=Payment._meta.db_table, refund=Refund._meta.db_table, reserving=", ".join(["%s"] * len(RESERVING_STATES)))
+
+
 def sync_payment_amounts(payment: Payment) -> None:
     """Recompute what is refunded and reserved from the refunds themselves (under the row lock)."""
-    sums = Refund.objects.filter(payment_id=payment.pk).aggregate(
-        settled=Sum("amount_minor", filter=Q(status=RefundState.SETTLED), default=0),
-        reserved=Sum("amount_minor", filter=Q(status__in=RESERVING_STATES), default=0))
-    payment.amount_refunded_minor, payment.amount_reserved_minor = sums["settled"], sums["reserved"]
-    Payment.objects.filter(pk=payment.pk).update(amount_refunded_minor=sums["settled"],
-                                                 amount_reserved_minor=sums["reserved"])
+    with connection.cursor() as cursor:
+        cursor.execute(_SYNC_SQL, [*(str(s) for s in (RefundState.SETTLED, *RESERVING_STATES)), payment.pk, payment.pk])
+        payment.amount_refunded_minor, payment.amount_reserved_minor = cursor.fetchone()
 
 
 def estimate_arrival(payment: Payment, today: date) -> date:

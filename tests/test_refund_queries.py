@@ -1,0 +1,50 @@
+"""What one approved refund costs the database. The statements are pinned so that a regression
+shows; the invariants they serve are checked on the same request."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from audit.models import AuditEntry, Verdict
+from audit.services import verify_chain
+from refundops.models import IdempotencyRecord, Refund, RefundState
+from refundops.tasks import submit_refund
+from tests.conftest import make_payment, post
+
+pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, as in production
+
+# The key (with the "all agents off" switch); BEGIN; the idempotency claim; the payment lock;
+# limits; hold rules; running totals; SAVEPOINT; the refund, its history and the merchant
+# endpoints, twice (requested, then approved); the payment's sums; the platform lock; running
+# totals again; RELEASE; the verdict; the audit lock, last entry and new entry; the stored
+# answer; COMMIT. The submission is routed by the payment's processor, without a query.
+APPROVED_REFUND_STATEMENTS = 24
+
+
+def test_an_approved_refund_takes_24_statements_and_keeps_every_invariant(api, policy, monkeypatch):
+    sent: list[dict] = []
+    monkeypatch.setattr(submit_refund, "apply_async", lambda **options: sent.append(options))
+    # The key's first use is stamped and the platform row made once; neither is the steady state.
+    post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 100, "reason": "duplicate"})
+    payment = make_payment(amount=5_000)
+
+    with CaptureQueriesContext(connection) as queries:
+        response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_250,
+                                                 "reason": "customer_request", "agent": {"session_id": "s1"}})
+
+    assert len(queries) == APPROVED_REFUND_STATEMENTS, "\n".join(q["sql"][:100] for q in queries)
+    assert response.status_code == 201
+    body = response.json()
+    refund = Refund.objects.get(pk=body["refund"]["id"])
+    assert refund.status == RefundState.APPROVED and refund.verdict_id == body["verdict"]["id"]
+    verdict = Verdict.objects.get(pk=refund.verdict_id)
+    assert (verdict.outcome, verdict.refund_id, verdict.totals["payment_refund_count"]) == ("approved", refund.pk, 0)
+    payment.refresh_from_db()
+    assert (payment.amount_reserved_minor, payment.amount_refunded_minor) == (1_250, 0)
+    record = IdempotencyRecord.objects.get(scope=api.key.agent_id, response_body__refund__id=refund.pk)
+    assert record.response_status == 201
+    assert AuditEntry.objects.filter(action="refund.approved", subject_id=refund.pk).exists()
+    assert list(verify_chain())[-1][2] == "ok"
+    assert sent[-1] == {"kwargs": {"refund_id": refund.pk}, "queue": "payments.sandbox"}
