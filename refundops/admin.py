@@ -15,6 +15,7 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
+from django.db import models
 from django.db.models import Count, Q
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
@@ -796,6 +797,7 @@ class MerchantEndpointAdmin(admin.ModelAdmin):
 
     list_display = ("id", "url", "active", "event_types", "description", "created_at")
     list_filter = ("active",)
+    formfield_overrides = {models.URLField: {"assume_scheme": "https"}}  # a bare host means https
     fields = ("url", "active", "event_types", "description", "secret_hint")
     readonly_fields = ("secret_hint",)
 
