@@ -1,18 +1,20 @@
 """Benchmark: ``POST /api/v1/refunds`` on the approved path with the full policy, beside a floor.
 
-    .venv/bin/python bench/refunds.py [--rounds 3] [--seconds 10] [--clients 32] [--workers 4] [--threads 4]
+    .venv/bin/python bench/refunds.py [--rounds 3] [--seconds 10] [--clients 32] [--workers 4] [--threads 1]
 
-Recreates the database ``refundops_bench`` (PostgreSQL on 127.0.0.1), migrates it, seeds payments,
-limits, hold rules and one agent key per client through the ORM, then in turn serves
+Needs ``wrk`` (Debian: ``apt-get install wrk``). Recreates the database ``refundops_bench``
+(PostgreSQL on 127.0.0.1), migrates it, seeds payments, limits, hold rules and one agent key per
+client through the ORM, then serves
 
 * full: the platform (bench.settings_full) behind gunicorn: key, capability, rate limits in Redis,
   idempotency, payment and platform locks, running totals, the policy, verdict, refund, history,
   audit entry, breaker count; Celery not eager, broker in Redis, no worker (the queue only fills);
 * floor: a bare DRF view (bench.floor) that locks the payment row, sums its refunds and inserts one;
 
-and drives them in turn, in alternating rounds, from this process with ``--clients`` threads, every request on a payment of its
-own. It prints throughput, p50 and p99 of each and their ratio. The machine is shared and noisy:
-read medians and ratios, and run it more than once.
+and drives both with wrk (``bench/refunds.lua``: C, keep-alive, light beside the server on a small
+machine), ``--clients`` connections, every request on a payment of its own: a warm-up each, then
+alternating rounds. It prints throughput, p50 and p99 of each and their ratio. The machine is
+shared and noisy: read medians and ratios, and run it more than once.
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ import argparse
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -135,54 +136,61 @@ def stop(server: subprocess.Popen) -> None:
 class Result:
     name: str
     seconds: float
-    latencies: list[float]
+    ok: int
+    latencies: list[tuple[float, float]]  # (seconds, how many requests it stands for), from wrk's percentiles
     errors: dict[str, int]
 
     @property
     def throughput(self) -> float:
-        return len(self.latencies) / self.seconds
+        return self.ok / self.seconds
 
     def percentile(self, p: float) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(p * len(ordered)))] * 1000 if ordered else float("nan")
+        total, seen = sum(w for _, w in self.latencies), 0.0
+        for latency, weight in sorted(self.latencies):
+            seen += weight
+            if seen >= p * total - 1e-9:
+                return latency * 1000
+        return float("nan")
 
 
-def drive(name: str, url: str, *, keys: list[str], payments: list[list[str]], warmup: float,
-          seconds: float) -> Result:
-    """Each client posts refunds back to back, each on a payment of its own; only requests that
-    start after the warm-up count."""
-    start = time.perf_counter() + warmup
-    end = start + seconds
-    latencies: list[list[float]] = [[] for _ in keys]
+def drive(name: str, url: str, *, keys: list[str], payments: list[list[str]], seconds: float,
+          wrk_threads: int) -> Result:
+    """wrk (C, keep-alive, ``bench/refunds.lua``) with one connection per client, each request a
+    refund on a payment of its own under that client's key. Counts only approved refunds (201
+    for the floor); anything else is an error, listed."""
+    with tempfile.NamedTemporaryFile("w", suffix=".plan") as plan:
+        plan.writelines(f"{keys[c]} {c} {ps[j]}\n" for j in range(len(payments[0])) for c, ps in enumerate(payments))
+        plan.flush()
+        out = subprocess.run(
+            ["wrk", "-t", str(wrk_threads), "-c", str(len(keys)), "-d", f"{seconds:.0f}s", "--timeout", "30s",
+             "-s", str(ROOT / "bench" / "refunds.lua"), f"{url}/api/v1/refunds", "--",
+             plan.name, name, str(wrk_threads), uuid.uuid4().hex],
+            check=True, capture_output=True, text=True).stdout
+    quantiles: list[tuple[float, float]] = []
     errors: dict[str, int] = {}
-    lock = threading.Lock()
+    for line in out.splitlines():
+        kind, *fields = line.split("\t")
+        if kind == "quantile":
+            quantiles.append((float(fields[0]), int(fields[1]) / 1e6))
+        elif kind == "error":
+            errors[fields[1]] = int(fields[0])
+        elif kind == "total":
+            duration, ok = int(fields[0]) / 1e6, int(fields[1])
+            if int(fields[2]):
+                raise RuntimeError(f"{name}: wrk ran out of payments: raise --per-round")
+    completed = ok + sum(errors.values())
+    steps = zip([0.0] + [p for p, _ in quantiles], quantiles)
+    return Result(name, duration, ok, [(latency, (p - before) / 100 * completed) for before, (p, latency) in steps],
+                  errors)
 
-    def client(i: int) -> None:
-        session = requests.Session()
-        headers = {"Authorization": f"Bearer {keys[i]}", "Content-Type": "application/json"}
-        for payment in payments[i]:
-            t0 = time.perf_counter()
-            if t0 >= end:
-                return
-            response = session.post(f"{url}/api/v1/refunds", headers={**headers, "Idempotency-Key": uuid.uuid4().hex},
-                                    json={"transaction_id": payment, "amount": AMOUNT, "reason": "customer_request",
-                                          "agent": {"session_id": f"bench-{i}", "model": "bench"}})
-            t1 = time.perf_counter()
-            if response.status_code == 201 and (name == "floor" or response.json()["refund"]["status"] == "approved"):
-                if t0 >= start:
-                    latencies[i].append(t1 - t0)
-            else:
-                with lock:
-                    code = f"{response.status_code} {response.text[:120]}"
-                    errors[code] = errors.get(code, 0) + 1
-        raise RuntimeError(f"client {i} ran out of payments: raise --per-client")
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(keys))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return Result(name, seconds, [x for xs in latencies for x in xs], errors)
+def merged(name: str, results: list[Result]) -> Result:
+    errors: dict[str, int] = {}
+    for r in results:
+        for code, count in r.errors.items():
+            errors[code] = errors.get(code, 0) + count
+    return Result(name, sum(r.seconds for r in results), sum(r.ok for r in results),
+                  [x for r in results for x in r.latencies], errors)
 
 
 def main() -> None:
@@ -191,45 +199,51 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=3)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)  # on 2 cores, threads only fight over the GIL
+    parser.add_argument("--wrk-threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-round", type=int, default=400, help="payments per client and round")
     args = parser.parse_args()
 
     recreate_database()
-    keys, full_payments, floor_payments = seed(clients=args.clients, per_client=args.per_round * args.rounds)
+    # One slice of payments per round, and one more for each server's warm-up.
+    keys, full_payments, floor_payments = seed(clients=args.clients, per_client=args.per_round * (args.rounds + 1))
     runs: dict[str, list[Result]] = {"full": [], "floor": []}
     servers = {name: serve(module, workers=args.workers, threads=args.threads)
                for name, module in (("full", "bench.settings_full"), ("floor", "bench.settings_floor"))}
+
+    def slice_(payments: list[list[str]], n: int) -> list[list[str]]:
+        return [p[n * args.per_round:(n + 1) * args.per_round] for p in payments]
+
     try:
+        for name, payments in (("full", full_payments), ("floor", floor_payments)):
+            drive(name, servers[name][1], keys=keys, payments=slice_(payments, args.rounds), seconds=args.warmup,
+                  wrk_threads=args.wrk_threads)
         # Alternate short rounds so that the noise of a shared machine falls on both alike.
         for round_ in range(args.rounds):
             for name, payments in (("full", full_payments), ("floor", floor_payments)):
-                mine = [p[round_ * args.per_round:(round_ + 1) * args.per_round] for p in payments]
-                runs[name].append(drive(name, servers[name][1], keys=keys, payments=mine,
-                                        warmup=args.warmup, seconds=args.seconds))
+                runs[name].append(drive(name, servers[name][1], keys=keys, payments=slice_(payments, round_),
+                                        seconds=args.seconds, wrk_threads=args.wrk_threads))
     finally:
         for server, _ in servers.values():
             stop(server)
-    results = [Result(name, sum(r.seconds for r in rs), [x for r in rs for x in r.latencies],
-                      {k: sum(r.errors.get(k, 0) for r in rs) for r in rs for k in r.errors})
-               for name, rs in runs.items()]
+    results = [merged(name, rs) for name, rs in runs.items()]
     for name, rs in runs.items():
         print(f"{name:6} rounds, req/s: " + ", ".join(f"{r.throughput:.0f}" for r in rs))
 
-    print(f"\n{args.clients} clients, gunicorn -w {args.workers} --threads {args.threads}, {args.rounds} rounds "
-          f"of {args.seconds:.0f} s each after {args.warmup:.0f} s warm-up, {os.cpu_count()} CPUs")
+    print(f"\n{args.clients} clients (wrk -t {args.wrk_threads}), gunicorn -w {args.workers} --threads {args.threads}, "
+          f"{args.rounds} rounds of {args.seconds:.0f} s each after {args.warmup:.0f} s warm-up, {os.cpu_count()} CPUs")
     print(f"{'':6} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'ok':>7}  errors")
     for r in results:
         print(f"{r.name:6} {r.throughput:8.1f} {r.percentile(0.5):8.1f} {r.percentile(0.99):8.1f} "
-              f"{len(r.latencies):7d}  {sum(r.errors.values())}")
+              f"{r.ok:7d}  {sum(r.errors.values())}")
         for code, n in sorted(r.errors.items()):
             print(f"       {n} x {code}")
     full, floor = results
     ratio = full.throughput / floor.throughput
     verdict = "meets" if ratio >= 1 / 3 and full.percentile(0.99) < 100 else "misses"
     print(f"full / floor throughput: {ratio:.2f} (bar: >= 0.33 with full p99 < 100 ms: {verdict} it)")
-    print(f"median latency full / floor: {statistics.median(full.latencies) / statistics.median(floor.latencies):.1f}x")
+    print(f"median latency full / floor: {full.percentile(0.5) / floor.percentile(0.5):.1f}x")
 
 
 if __name__ == "__main__":
