@@ -60,7 +60,7 @@ def approve_refund(*, refund_id: str, approver, note: str = "") -> Refund:
     record_audit(actor=Caller.for_user(approver).label, action="refund.approved", subject_type="refund",
                  subject_id=refund.pk, data={"note": note, "hold_reasons": refund.hold_reasons,
                                              "amount_minor": refund.amount_minor, "currency": refund.currency})
-    enqueue_submission(refund.pk)
+    enqueue_submission(refund.pk, processor=refund.payment.processor)
     return refund
 
 
@@ -99,7 +99,7 @@ def resubmit_refund(*, refund_id: str, approver, note: str = "") -> Refund:
     sync_payment_amounts(refund.payment)
     record_audit(actor=Caller.for_user(approver).label, action="refund.resubmitted", subject_type="refund",
                  subject_id=refund.pk, data={"note": note, "attempt": refund.submit_attempts})
-    enqueue_submission(refund.pk)
+    enqueue_submission(refund.pk, processor=refund.payment.processor)
     return refund
 
 
