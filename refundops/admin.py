@@ -68,6 +68,20 @@ def _safe_next(request: HttpRequest, default: str) -> str:
     return default
 
 
+class ReadOnlyInline:
+    """Rows shown beside their parent, written only by services: look, follow the link, never edit."""
+
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+
 class RowLinks:
     """Columns most money rows share: the amount as money, and links to the payment and the verdict."""
 
@@ -100,35 +114,17 @@ class CustomerAdmin(ReadOnlyHistoryAdmin):
         return obj.n_payments
 
 
-class RefundInline(RowLinks, admin.TabularInline):
+class RefundInline(RowLinks, ReadOnlyInline, admin.TabularInline):
     model = Refund
     fields = ["id", "amount", "status", "reason", "origin", "hold_reasons", "created_at", "verdict_link"]
     readonly_fields = fields
-    extra = 0
-    can_delete = False
-    show_change_link = True
     ordering = ["-created_at"]
 
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
 
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-
-class DisputeInline(RowLinks, admin.TabularInline):
+class DisputeInline(RowLinks, ReadOnlyInline, admin.TabularInline):
     model = Dispute
     fields = ["id", "status", "reason", "amount", "evidence_due_by", "created_at"]
     readonly_fields = fields
-    extra = 0
-    can_delete = False
-    show_change_link = True
-
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
 
 
 class StaffRefundForm(forms.Form):
@@ -533,19 +529,10 @@ admin.site.index_title = "Refunds, approvals and audit"
 
 # -- agents, keys and the platform switches ---------------------------------------------------------
 
-class AgentKeyInline(admin.TabularInline):
+class AgentKeyInline(ReadOnlyInline, admin.TabularInline):
     model = AgentKey
     fields = ["prefix", "created_at", "last_used_at", "expires_at", "revoked_at"]
     readonly_fields = fields
-    extra = 0
-    can_delete = False
-    show_change_link = True
-
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
 
 
 class AgentCapabilitiesForm(forms.ModelForm):
@@ -747,20 +734,11 @@ class PaymentLinkAdmin(RowLinks, ReadOnlyHistoryAdmin):
     list_select_related = ["template", "agent"]
 
 
-class EvidenceDraftInline(admin.StackedInline):
+class EvidenceDraftInline(ReadOnlyInline, admin.StackedInline):
     model = DisputeEvidenceDraft
     fields = ["id", "status", "drafted_by", "created_at", *DisputeEvidenceDraft.TEXT_FIELDS, "submitted_by",
               "submitted_at"]
     readonly_fields = fields
-    extra = 0
-    can_delete = False
-    show_change_link = True
-
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
 
 
 @admin.register(Dispute)

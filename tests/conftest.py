@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -40,6 +43,38 @@ def _clean_redis():
     if settings.REDIS_URL:
         redis.Redis.from_url(settings.REDIS_URL).flushdb()
     yield
+
+
+@pytest.fixture
+def quiet_breaker(settings):
+    """For tests about totals: a burst of this size is the breaker's business elsewhere."""
+    settings.BREAKER_MIN_COUNT = 10**6
+    settings.BREAKER_MIN_VALUE = 10**9
+
+
+def race(n: int, work: Callable[[int], Any]) -> list[Any]:
+    """Run ``work(i)`` in ``n`` threads released together by a barrier; each closes its own
+    database connection. Returns the results; fails on the first exception a thread raised."""
+    barrier = threading.Barrier(n)
+    results: list[Any] = [None] * n
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait()
+            results[i] = work(i)
+        except BaseException as exc:  # reported by the main thread below
+            results[i] = exc
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[0]
+    return results
 
 
 def make_customer(**fields) -> Customer:

@@ -7,14 +7,10 @@ approved refunds are paid on commit (Celery is eager in tests), as in production
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
 
 import pytest
-from django.db import connection
 from django.db.models import Sum
 from django.test import Client
 from django.urls import include, path
@@ -27,45 +23,16 @@ from processors.money import Money
 from processors.registry import get_processor
 from refundops.models import COUNTING_STATES, Payment, Refund, RefundState
 from refundops.services import payouts
-from tests.conftest import make_agent_key, make_customer, make_limits, make_rules
+from tests.conftest import make_agent_key, make_customer, make_limits, make_rules, race
 from tests.fakes.fixtures import post_stripe_event, stripe_event, stripe_payment
 from tests.fakes.stripe_server import FakeStripe
 
 urlpatterns = [path("", include("refundops.urls")), path("webhooks/", include("refundops.webhook_urls"))]
-pytestmark = [pytest.mark.urls(__name__), pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.urls(__name__), pytest.mark.django_db(transaction=True),
+              pytest.mark.usefixtures("quiet_breaker")]
 
 AGENTS = 16
 AMOUNT = 1_000
-
-
-@pytest.fixture(autouse=True)
-def _quiet_breaker(settings):
-    """These tests are about totals; a burst of this size is the breaker's business elsewhere."""
-    settings.BREAKER_MIN_COUNT = 10**6
-    settings.BREAKER_MIN_VALUE = 10**9
-
-
-def race(n: int, work: Callable[[int], Any]) -> list[Any]:
-    barrier = threading.Barrier(n)
-    results: list[Any] = [None] * n
-
-    def run(i: int) -> None:
-        try:
-            barrier.wait()
-            results[i] = work(i)
-        except BaseException as exc:  # reported by the main thread below
-            results[i] = exc
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    errors = [r for r in results if isinstance(r, BaseException)]
-    assert not errors, errors[0]
-    return results
 
 
 def dashboard_refund(payment: Payment, amount: int) -> str:

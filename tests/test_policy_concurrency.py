@@ -11,16 +11,10 @@ from django.contrib.auth import get_user_model
 from refundops.callers import Caller
 from refundops.models import Refund
 from refundops.services.refunds import request_refund
-from tests.conftest import make_agent_key, make_customer, make_limits, make_payment, make_rules
-from tests.test_refund_concurrency import AMOUNT, counted, outcomes, race, refund
+from tests.conftest import make_agent_key, make_customer, make_limits, make_payment, make_rules, race
+from tests.test_refund_concurrency import AMOUNT, counted, outcomes, refund
 
-pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def _quiet_breaker(settings):
-    settings.BREAKER_MIN_COUNT = 10**6
-    settings.BREAKER_MIN_VALUE = 10**9
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("quiet_breaker")]
 
 
 def staff_refund(user, payment_id: str) -> tuple[int, str]:

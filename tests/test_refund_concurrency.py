@@ -7,55 +7,21 @@ sandbox on commit (Celery is eager in tests), as in production.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
 
 import pytest
-from django.db import connection
 from django.db.models import Sum
 from rest_framework.test import APIClient
 
 from audit.models import Verdict
 from refundops.models import COUNTING_STATES, Agent, AgentKey, Payment, Refund
 from refundops.access import generate_key
-from tests.conftest import make_agent_key, make_customer, make_limits, make_payment, make_rules
+from tests.conftest import make_agent_key, make_customer, make_limits, make_payment, make_rules, race
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("quiet_breaker")]
 
 AMOUNT = 1_000
-
-
-@pytest.fixture(autouse=True)
-def _quiet_breaker(settings):
-    """These tests are about totals; a burst of this size is the breaker's business elsewhere."""
-    settings.BREAKER_MIN_COUNT = 10**6
-    settings.BREAKER_MIN_VALUE = 10**9
-
-
-def race(n: int, work: Callable[[int], Any]) -> list[Any]:
-    barrier = threading.Barrier(n)
-    results: list[Any] = [None] * n
-
-    def run(i: int) -> None:
-        try:
-            barrier.wait()
-            results[i] = work(i)
-        except BaseException as exc:  # reported by the main thread below
-            results[i] = exc
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    errors = [r for r in results if isinstance(r, BaseException)]
-    assert not errors, errors[0]
-    return results
 
 
 def client_for(raw_key: str) -> APIClient:
