@@ -22,7 +22,7 @@ from typing import Literal
 import redis
 from django.conf import settings
 
-from processors.redis_client import redis_client
+from processors.redis_client import redis_client, redis_key
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _setting(name: str) -> float:
 
 
 def _key(gateway: str, account: str) -> str:
-    return f"refundops:gwbreaker:{gateway}:{account}"
+    return redis_key(f"gwbreaker:{gateway}:{account}")
 
 
 def state(gateway: str, account: str, *, now: float | None = None) -> BreakerState:

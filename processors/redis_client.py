@@ -15,6 +15,12 @@ _clients: dict[str, redis.Redis] = {}
 _clients_lock = threading.Lock()
 
 
+def redis_key(name: str) -> str:
+    """Every key we write, under ``REDIS_KEY_PREFIX`` (empty by default), so that two installs or
+    two test runs can share one Redis without reading each other's windows and breakers."""
+    return f"{getattr(settings, 'REDIS_KEY_PREFIX', '')}refundops:{name}"
+
+
 def redis_client() -> redis.Redis:
     url = settings.REDIS_URL
     client = _clients.get(url)

@@ -31,12 +31,11 @@ from django.db import transaction
 
 from audit.services import record_audit
 from processors.money import currency_exponent, format_minor
-from refundops.ratelimit import redis_client, store_unavailable
+from refundops.ratelimit import redis_client, redis_key, store_unavailable
 
 log = logging.getLogger(__name__)
 
 Phase = Literal["closed", "open", "half_open"]
-STATE_KEY = "refundops:{breaker}:state"
 ACTOR = "system:breaker"
 
 DEFAULTS: dict[str, float] = {
@@ -50,9 +49,13 @@ def setting(name: str) -> float:
     return float(getattr(settings, name, DEFAULTS[name]))
 
 
+def _state_key() -> str:
+    return redis_key("{breaker}:state")
+
+
 def _series_key(what: str) -> str:
     """One hash per series, a field per minute: two HMGETs read the whole baseline."""
-    return f"refundops:{{breaker}}:{what}"
+    return redis_key(f"{{breaker}}:{what}")
 
 
 def _phase(state: dict[bytes, bytes], now: datetime) -> Phase:
@@ -66,7 +69,7 @@ def _phase(state: dict[bytes, bytes], now: datetime) -> Phase:
 
 def status(*, now: datetime) -> Phase:
     try:
-        return _phase(redis_client().hgetall(STATE_KEY), now)
+        return _phase(redis_client().hgetall(_state_key()), now)
     except redis.RedisError as exc:
         log.error("breaker: Redis unreachable (%s); failing closed", exc)
         raise store_unavailable("circuit breaker") from exc
@@ -95,7 +98,7 @@ def record_refund(amount_minor: int, currency: str, now: datetime) -> None:
         for key in (counts, values):
             pipe.hdel(key, *stale)
             pipe.expire(key, (window + baseline + 1) * 60)
-        pipe.hgetall(STATE_KEY)
+        pipe.hgetall(_state_key())
         replies = pipe.execute()
         buckets = [(int(n or 0), int(v or 0)) for n, v in zip(replies[2], replies[3])]
         phase = _phase(replies[-1], now)
@@ -112,8 +115,8 @@ def record_refund(amount_minor: int, currency: str, now: datetime) -> None:
         if why and phase in ("closed", "half_open"):
             _open(client, why=why, now=now, first=phase == "closed")
         elif phase == "half_open":
-            if client.hincrby(STATE_KEY, "successes", 1) >= setting("BREAKER_HALF_OPEN_PROBES"):
-                client.delete(STATE_KEY)
+            if client.hincrby(_state_key(), "successes", 1) >= setting("BREAKER_HALF_OPEN_PROBES"):
+                client.delete(_state_key())
                 log.warning("breaker closed: agent refund volume is normal again")
                 record_audit(actor=ACTOR, action="breaker.closed", subject_type="breaker",
                              subject_id="agent_refunds", data={"at": now.isoformat()})
@@ -123,9 +126,9 @@ def record_refund(amount_minor: int, currency: str, now: datetime) -> None:
 
 
 def _open(client: redis.Redis, *, why: str, now: datetime, first: bool) -> None:
-    if first and not client.hsetnx(STATE_KEY, "opened_at", now.timestamp()):
+    if first and not client.hsetnx(_state_key(), "opened_at", now.timestamp()):
         return  # another process opened it a moment ago and alerted
-    client.hset(STATE_KEY, mapping={"opened_at": now.timestamp(), "successes": 0, "reason": why})
+    client.hset(_state_key(), mapping={"opened_at": now.timestamp(), "successes": 0, "reason": why})
     message = (f"Agent refunds are paused: {why}. The breaker half-opens after "
                f"{setting('BREAKER_COOLDOWN_SECONDS'):.0f} seconds. Investigate the agents now; the kill "
                f"switch (manage.py killswitch on) pauses them until you turn it off.")

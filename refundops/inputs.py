@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,41 @@ class RefundInput:
     note: str
     destination: str
     agent: AgentContext
+
+
+MAX_BODY_BYTES = 64 * 1024  # far above any valid request; the text fields' limits add up to ~72,000 characters
+MAX_JSON_DEPTH = 32  # a valid request nests three deep
+
+
+class BodyTooLarge(Exception):
+    """A body over ``MAX_BODY_BYTES`` or nested deeper than ``MAX_JSON_DEPTH``: PAYLOAD_TOO_LARGE."""
+
+
+def load_json_body(raw: bytes | str, *, max_bytes: int = MAX_BODY_BYTES) -> Any:
+    """Parse a request body, refusing one too large or too deeply nested before it costs anything.
+    Raises BodyTooLarge, or ValueError for text that is not JSON."""
+    if len(raw) > max_bytes:
+        raise BodyTooLarge(f"the body is over {max_bytes} bytes")
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise BodyTooLarge(f"JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
+    if _depth_exceeds(data, MAX_JSON_DEPTH):
+        raise BodyTooLarge(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
+    return data
+
+
+def _depth_exceeds(data: Any, limit: int) -> bool:
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            value = list(value.values())
+        if isinstance(value, list):
+            if depth > limit:
+                return True
+            stack.extend((item, depth + 1) for item in value)
+    return False
 
 
 def has_nul(data: Any) -> bool:

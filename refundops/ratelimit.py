@@ -18,7 +18,7 @@ Redis unreachable: calls that move money fail closed (503 ``SERVICE_UNAVAILABLE`
 
 from __future__ import annotations
 
-import json
+import hashlib
 import logging
 import math
 import secrets
@@ -30,14 +30,14 @@ from django.conf import settings
 from rest_framework.permissions import SAFE_METHODS
 from rest_framework.throttling import BaseThrottle
 
-from processors.redis_client import redis_client
+from processors.redis_client import redis_client, redis_key
 from refundops.callers import Caller
 from refundops.errors import ApiError
+from refundops.inputs import MAX_BODY_BYTES, BodyTooLarge, load_json_body
 from refundops.models import AgentKey
 
 log = logging.getLogger(__name__)
 
-PREFIX = "refundops:rl"
 
 
 def store_unavailable(what: str) -> ApiError:
@@ -62,12 +62,17 @@ class Scope:
     limit: int
 
 
+def _digest(text: str) -> str:
+    """A session id is the caller's text: hashed, so a key name stays short whatever it sends."""
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def scopes_for(*, agent_id: str, session_id: str | None) -> list[Scope]:
-    scopes = [Scope("agent", f"{PREFIX}:agent:{agent_id}", setting("RATE_LIMIT_AGENT_PER_MINUTE"))]
+    scopes = [Scope("agent", redis_key(f"rl:agent:{agent_id}"), setting("RATE_LIMIT_AGENT_PER_MINUTE"))]
     if session_id:
-        scopes.append(Scope("session", f"{PREFIX}:session:{agent_id}:{session_id}",
+        scopes.append(Scope("session", redis_key(f"rl:session:{agent_id}:{_digest(session_id)}"),
                             setting("RATE_LIMIT_SESSION_PER_MINUTE")))
-    scopes.append(Scope("global", f"{PREFIX}:global", setting("RATE_LIMIT_GLOBAL_PER_MINUTE")))
+    scopes.append(Scope("global", redis_key("rl:global"), setting("RATE_LIMIT_GLOBAL_PER_MINUTE")))
     return [s for s in scopes if s.limit > 0]
 
 
@@ -120,10 +125,13 @@ def check_rate_limits(*, caller: Caller, session_id: str | None = None, moves_mo
 
 def _session_id_from_body(request) -> str | None:
     """The agent session named in a JSON body, if it parses. The body is validated later (the
-    contract checks rate limits before the body), so anything unexpected here just means no session."""
+    contract checks rate limits before the body), so anything unexpected here just means no
+    session; a body too large to read is refused by the parser after this."""
     try:
-        data = json.loads(request._request.body or b"null")
-    except (ValueError, UnicodeDecodeError):
+        if int(request.META.get("CONTENT_LENGTH") or 0) > MAX_BODY_BYTES:
+            return None
+        data = load_json_body(request._request.body or b"null")
+    except (ValueError, UnicodeDecodeError, BodyTooLarge):
         return None
     agent = data.get("agent") if isinstance(data, dict) else None
     session = agent.get("session_id") if isinstance(agent, dict) else None

@@ -85,8 +85,16 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Redis holds only what may be rebuilt: rate-limit windows, breaker state, the broker's queue.
 REDIS_URL = env("REDIS_URL", default="")
+# Every key this install writes (ours and the broker's queues) starts with this prefix, so two
+# installs, or two test runs, can share one Redis without seeing each other's state or tasks.
+REDIS_KEY_PREFIX = env("REDIS_KEY_PREFIX", default="")
+# A task a worker took but did not acknowledge (acks_late) goes back to the queue after this long;
+# every countdown and ETA we set stays below it, or the broker would hand out a second copy.
+CELERY_VISIBILITY_TIMEOUT_SECONDS = env.int("CELERY_VISIBILITY_TIMEOUT_SECONDS", default=3600)
 if REDIS_URL:
     CELERY_BROKER_URL = REDIS_URL
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": REDIS_KEY_PREFIX,
+                                       "visibility_timeout": CELERY_VISIBILITY_TIMEOUT_SECONDS}
 else:
     CELERY_BROKER_URL = "filesystem://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {

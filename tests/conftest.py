@@ -40,8 +40,11 @@ def _real_services(request):
 def _clean_redis():
     import redis
 
-    if settings.REDIS_URL:
-        redis.Redis.from_url(settings.REDIS_URL).flushdb()
+    if settings.REDIS_URL:  # only this run's keys (REDIS_KEY_PREFIX): other runs may share the db
+        client = redis.Redis.from_url(settings.REDIS_URL)
+        keys = list(client.scan_iter(match=f"{settings.REDIS_KEY_PREFIX}*", count=1000))
+        if keys:
+            client.delete(*keys)
     yield
 
 

@@ -19,6 +19,7 @@ from audit.models import Verdict
 from refundops.access import KEY_PREFIX_LENGTH
 from refundops.callers import Caller
 from refundops.errors import CONTRACT_CODES, ERROR_STATUS
+from refundops.inputs import MAX_BODY_BYTES
 from refundops.models import AgentKey, Capability, Dispute, Payment, PaymentLinkTemplate, Refund
 from refundops.services import agents, payments
 from tests.conftest import make_agent_key, make_limits, make_payment, post
@@ -254,7 +255,22 @@ CONTRACT_REFUSALS: dict[str, Callable] = {
     "PAYMENT_NOT_REFUNDABLE": _payment_not_refundable,
     "RATE_LIMITED": _rate_limited,
     "CIRCUIT_OPEN": _circuit_open,
+    "PAYLOAD_TOO_LARGE": lambda api, w: post(api, "/api/v1/refunds", {
+        "transaction_id": w.payment.pk, "reason": "duplicate", "note": "x" * (MAX_BODY_BYTES + 1)}),
 }
+
+
+@pytest.mark.parametrize("body", [
+    "[" * 60_000 + "]" * 60_000,  # deeper than Python's own recursion limit
+    '{"transaction_id": "txn_x", "reason": "duplicate", "agent": ' + '{"a": ' * 40 + "1" + "}" * 41,
+])
+def test_json_nested_too_deep_is_payload_too_large_and_recorded(world, api, body):
+    refunds = Refund.objects.count()
+    response = api.post("/api/v1/refunds", body, content_type="application/json", HTTP_IDEMPOTENCY_KEY="k")
+    error = response.json()["error"]
+    assert response.status_code == 413 and error["code"] == "PAYLOAD_TOO_LARGE", error
+    assert Verdict.objects.get(pk=error["verdict_id"]).code == "PAYLOAD_TOO_LARGE"
+    assert Refund.objects.count() == refunds
 
 
 def test_the_table_covers_every_code_of_the_contract():

@@ -7,13 +7,34 @@ import logging
 from rest_framework import exceptions
 from rest_framework.response import Response
 
+from audit.models import Verdict
+from refundops.callers import Caller
 from refundops.errors import ApiError
+from refundops.models import AgentKey
 
 log = logging.getLogger(__name__)
 
 
+def _recorded(err: ApiError, context) -> ApiError:
+    """A body refused before any service saw it (too large, not JSON) is still a call past the key:
+    it leaves a verdict that says what was refused, never the body itself."""
+    request = context.get("request")
+    key = getattr(request, "auth", None)
+    if err.verdict_id is None and isinstance(key, AgentKey):
+        length = request.META.get("CONTENT_LENGTH") or ""
+        verdict = Verdict.objects.create(
+            **Caller.for_key(key).verdict_fields(), operation=f"{request.method} {request.path}"[:40],
+            outcome=Verdict.Outcome.DENIED, code=err.code, message=err.message,
+            idempotency_key=request.headers.get("Idempotency-Key", "")[:255],
+            request={"content_length": length[:20]})
+        err.verdict_id = verdict.id
+    return err
+
+
 def exception_handler(exc, context):
     if isinstance(exc, ApiError):
+        if exc.code == "PAYLOAD_TOO_LARGE":
+            exc = _recorded(exc, context)
         return Response(exc.body(), status=exc.status, headers=exc.headers)
     if isinstance(exc, exceptions.Throttled):
         wait = int(exc.wait or 1)
@@ -24,7 +45,7 @@ def exception_handler(exc, context):
         err = ApiError("UNAUTHENTICATED", "Send your agent key as 'Authorization: Bearer rk_…'.")
         return Response(err.body(), status=err.status)
     if isinstance(exc, exceptions.ParseError):
-        err = ApiError("VALIDATION_ERROR", f"body: {exc.detail}", field="body")
+        err = _recorded(ApiError("VALIDATION_ERROR", f"body: {exc.detail}", field="body"), context)
         return Response(err.body(), status=err.status)
     if isinstance(exc, exceptions.UnsupportedMediaType):
         err = ApiError("VALIDATION_ERROR", "body: send JSON with 'Content-Type: application/json'.", field="body")

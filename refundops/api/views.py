@@ -13,7 +13,8 @@ from refundops.answers import Answer
 from refundops.api import schema
 from refundops.api.schema import KEY_CHECKS, POST_CHECKS
 from refundops.callers import Caller
-from refundops.inputs import has_nul
+from refundops.errors import ApiError
+from refundops.inputs import MAX_BODY_BYTES, BodyTooLarge, has_nul, load_json_body
 from refundops.models import Capability
 from refundops.ratelimit import AgentRateThrottle
 from refundops.services import disputes, payments, refunds
@@ -32,7 +33,13 @@ class JSONBodyParser(JSONParser):
     when the verdict is written."""
 
     def parse(self, stream, media_type=None, parser_context=None):
-        data = super().parse(stream, media_type, parser_context)
+        raw = stream.read(MAX_BODY_BYTES + 1) if stream is not None else b""
+        try:
+            data = load_json_body(raw)
+        except BodyTooLarge as exc:
+            raise ApiError("PAYLOAD_TOO_LARGE", f"body: {exc}; send a smaller request.", field="body") from None
+        except ValueError as exc:
+            raise ParseError(f"JSON parse error - {exc}") from None
         if has_nul(data):
             raise ParseError("text must not contain NUL (\\u0000) characters")
         return data

@@ -1,0 +1,299 @@
+"""Finance's pages on payments: customers, payments (and a staff refund from one), voids and
+captures, payment links and their templates, disputes and evidence drafts."""
+
+import uuid
+from decimal import Decimal, InvalidOperation
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin.utils import quote, unquote
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import get_object_or_404
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils import timezone
+
+from audit.admin import HistoryAdmin, ReadOnlyHistoryAdmin, money_or_dash
+from audit.services import record_audit
+from processors.money import currency_exponent, format_minor
+from refundops.callers import Caller
+from refundops.models import (
+    Customer,
+    Dispute,
+    DisputeEvidenceDraft,
+    Payment,
+    PaymentLink,
+    PaymentLinkTemplate,
+    PaymentOperation,
+    Reason,
+    Refund,
+    RefundState,
+)
+from refundops.services.refunds import request_refund
+from refundops.admin.base import ReadOnlyInline, RowLinks
+
+
+# -- customers and payments -------------------------------------------------------------------------
+
+@admin.register(Customer)
+class CustomerAdmin(ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
+    list_display = ["id", "name", "email", "email_changed_at", "address_changed_at", "payment_count", "created_at"]
+    search_fields = ["id", "name", "email"]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).annotate(n_payments=Count("payments"))
+
+    @admin.display(description="payments", ordering="n_payments")
+    def payment_count(self, obj: Customer) -> int:
+        return obj.n_payments
+
+
+class RefundInline(RowLinks, ReadOnlyInline, admin.TabularInline):
+    model = Refund
+    fields = ["id", "amount", "status", "reason", "origin", "hold_reasons", "created_at", "verdict_link"]
+    readonly_fields = fields
+    ordering = ["-created_at"]
+
+
+class DisputeInline(RowLinks, ReadOnlyInline, admin.TabularInline):
+    model = Dispute
+    fields = ["id", "status", "reason", "amount", "evidence_due_by", "created_at"]
+    readonly_fields = fields
+
+
+class StaffRefundForm(forms.Form):
+    """A person asks for a refund; the same policy decides it as for an agent (origin: staff)."""
+
+    amount = forms.CharField(required=False, max_length=30,
+                             help_text="In the payment's currency, e.g. 19.99. Leave blank for the whole "
+                                       "refundable amount.")
+    reason = forms.ChoiceField(choices=Reason.choices)
+    note = forms.CharField(required=False, max_length=2000, widget=forms.Textarea(attrs={"rows": 3}))
+    # Rendered once per form: a double submit replays the first answer instead of paying twice.
+    idempotency_key = forms.CharField(widget=forms.HiddenInput, max_length=255)
+
+    def __init__(self, *args, currency: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.currency = currency
+
+    def clean_amount(self) -> int | None:
+        text = self.cleaned_data["amount"].strip().replace(",", "")
+        if not text:
+            return None
+        try:
+            major = Decimal(text)
+        except InvalidOperation:
+            raise forms.ValidationError("Enter an amount such as 19.99.") from None
+        exponent = currency_exponent(self.currency)
+        minor = major.scaleb(exponent)
+        if minor != minor.to_integral_value():
+            raise forms.ValidationError(f"{self.currency} has {exponent} decimal places.")
+        if minor <= 0:
+            raise forms.ValidationError("The amount must be more than zero.")
+        return int(minor)
+
+
+@admin.register(Payment)
+class PaymentAdmin(ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
+    list_display = ["id", "captured", "refundable", "refunded", "pending", "status", "dispute_status", "fraud",
+                    "paid_twice", "method", "customer", "processor", "captured_at"]
+    list_filter = ["status", "processor", "dispute_status", "paid_twice",
+                   ("currency", admin.AllValuesFieldListFilter), "method_type"]
+    search_fields = ["id", "processor_reference", "order_reference", "customer__email", "customer__name",
+                     "=method_last4"]
+    list_select_related = ["customer"]
+    date_hierarchy = "captured_at"
+    inlines = [RefundInline, DisputeInline]
+    fieldsets = [
+        (None, {"fields": ["id", "customer", "status", "processor", "processor_account", "processor_reference",
+                           "authorization_reference", "created_at", "captured_at"]}),
+        ("Amounts", {"fields": ["authorized", "captured", "refunded", "pending", "refundable", "order_reference",
+                                "order_amount", "owed"]}),
+        ("Method (no card data is kept)", {"fields": ["method_type", "method_brand", "method_last4"]}),
+        ("Disputes and fraud", {"fields": ["dispute_status", "dispute_reference", "fraud_flags", "paid_twice"]}),
+    ]
+
+    @admin.display(description="authorised")
+    def authorized(self, obj: Payment) -> str:
+        return format_minor(obj.amount_authorized_minor, obj.currency)
+
+    @admin.display(description="captured", ordering="amount_captured_minor")
+    def captured(self, obj: Payment) -> str:
+        return format_minor(obj.amount_captured_minor, obj.currency)
+
+    @admin.display(description="refunded", ordering="amount_refunded_minor")
+    def refunded(self, obj: Payment) -> str:
+        return format_minor(obj.amount_refunded_minor, obj.currency)
+
+    @admin.display(description="refund pending")
+    def pending(self, obj: Payment) -> str:
+        return format_minor(obj.amount_reserved_minor, obj.currency)
+
+    @admin.display(description="refundable")
+    def refundable(self, obj: Payment) -> str:
+        return format_minor(max(obj.refundable_minor, 0), obj.currency)
+
+    @admin.display(description="order amount")
+    def order_amount(self, obj: Payment) -> str:
+        return money_or_dash(obj.order_amount_minor, obj.currency)
+
+    @admin.display(description="still owed")
+    def owed(self, obj: Payment) -> str:
+        return format_minor(obj.amount_owed_minor, obj.currency)
+
+    @admin.display(description="method")
+    def method(self, obj: Payment) -> str:
+        return obj.method_display
+
+    @admin.display(description="fraud flags", boolean=True)
+    def fraud(self, obj: Payment) -> bool:
+        return bool(obj.fraud_flags)
+
+    def get_urls(self):
+        return [path("<path:object_id>/refund/", self.admin_site.admin_view(self.refund_view),
+                     name="refundops_payment_refund"), *super().get_urls()]
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        extra = {"can_refund": request.user.has_perm("refundops.add_refund"), **(extra_context or {})}
+        return super().change_view(request, object_id, form_url, extra)
+
+    def refund_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        if not request.user.has_perm("refundops.add_refund"):
+            raise PermissionDenied
+        payment = get_object_or_404(Payment.objects.select_related("customer"), pk=unquote(object_id))
+        fresh = {"idempotency_key": uuid.uuid4().hex}
+        form = StaffRefundForm(request.POST or None, initial=fresh, currency=payment.currency)
+        if request.method == "POST" and form.is_valid():
+            data = {"transaction_id": payment.pk, "reason": form.cleaned_data["reason"],
+                    "note": form.cleaned_data["note"]}
+            if form.cleaned_data["amount"] is not None:
+                data["amount"] = form.cleaned_data["amount"]
+            answer = request_refund(caller=Caller.for_user(request.user), data=data,
+                                    idempotency_key=form.cleaned_data["idempotency_key"])
+            if answer.ok:
+                refund = answer.body["refund"]
+                text = f"Refund {refund['id']} of {format_minor(refund['amount'], refund['currency'])}: {refund['status']}"
+                if refund["status"] == RefundState.HELD:
+                    messages.warning(request, f"{text}, held for a person ({', '.join(refund['hold_reasons'])}).")
+                else:
+                    messages.success(request, f"{text}.")
+                return HttpResponseRedirect(reverse("admin:refundops_refund_change", args=[quote(refund["id"])]))
+            error = answer.body["error"]
+            messages.error(request, f"{error['code']}: {error['message']}")
+            # A corrected request is a new request: it needs a key of its own.
+            typed = {name: request.POST.get(name, "") for name in ("amount", "reason", "note")}
+            form = StaffRefundForm(initial={**typed, **fresh}, currency=payment.currency)
+        context = {
+            **self.admin_site.each_context(request), "opts": self.opts, "title": f"Refund payment {payment.pk}",
+            "payment": payment, "form": form,
+            "refundable": format_minor(max(payment.refundable_minor, 0), payment.currency),
+            "captured": format_minor(payment.amount_captured_minor, payment.currency),
+        }
+        return TemplateResponse(request, "admin/refundops/payment/refund_form.html", context)
+
+
+# -- voids and captures, payment links, disputes ----------------------------------------------------
+
+@admin.register(PaymentOperation)
+class PaymentOperationAdmin(RowLinks, ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
+    list_display = ["id", "kind", "payment_link", "amount", "status", "agent", "verdict_link", "created_at",
+                    "finished_at"]
+    list_filter = ["kind", "status"]
+    search_fields = ["id", "payment__id", "gateway_reference"]
+    list_select_related = ["agent"]
+
+
+class PaymentLinkTemplateForm(forms.ModelForm):
+    class Meta:
+        model = PaymentLinkTemplate
+        fields = ["name", "message", "active"]
+
+
+@admin.register(PaymentLinkTemplate)
+class PaymentLinkTemplateAdmin(HistoryAdmin):
+    ordering = ["name"]
+    """Agents send links only from templates a person approved; an edited message needs approval
+    again, so what a person approved is what customers receive."""
+
+    form = PaymentLinkTemplateForm
+    list_display = ["name", "active", "approved_by", "approved_at", "created_at"]
+    list_filter = ["active"]
+    search_fields = ["name", "message"]
+    list_select_related = ["approved_by"]
+    readonly_fields = ["approved_by", "approved_at"]
+    actions = ["approve_selected"]
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False  # links sent from a template point at it; retire a template by deactivating it
+
+    def save_model(self, request, obj, form, change):
+        if "message" in form.changed_data:
+            obj.approved_by, obj.approved_at = None, None
+        super().save_model(request, obj, form, change)
+        record_audit(actor=Caller.for_user(request.user).label,
+                     action="link_template.changed" if change else "link_template.created",
+                     subject_type="payment_link_template", subject_id=str(obj.pk),
+                     data={"name": obj.name, "active": obj.active, "fields": form.changed_data})
+
+    def has_approve_permission(self, request) -> bool:
+        return request.user.has_perm("refundops.change_paymentlinktemplate")
+
+    @admin.action(description="Approve selected templates", permissions=["approve"])
+    def approve_selected(self, request, queryset):
+        now = timezone.now()
+        for template in queryset.filter(approved_at__isnull=True):
+            template.approved_by, template.approved_at = request.user, now
+            template._history_user, template._change_reason = request.user, "approved"
+            template.save()
+            record_audit(actor=Caller.for_user(request.user).label, action="link_template.approved",
+                         subject_type="payment_link_template", subject_id=str(template.pk),
+                         data={"name": template.name})
+        messages.success(request, "Approved.")
+
+
+@admin.register(PaymentLink)
+class PaymentLinkAdmin(RowLinks, ReadOnlyHistoryAdmin):
+    ordering = ["-sent_at"]
+    list_display = ["id", "payment_link", "order_reference", "amount", "status", "template", "agent", "sent_at",
+                    "paid_at"]
+    list_filter = ["status", "template"]
+    search_fields = ["id", "payment__id", "order_reference"]
+    list_select_related = ["template", "agent"]
+
+
+class EvidenceDraftInline(ReadOnlyInline, admin.StackedInline):
+    model = DisputeEvidenceDraft
+    fields = ["id", "status", "drafted_by", "created_at", *DisputeEvidenceDraft.TEXT_FIELDS, "submitted_by",
+              "submitted_at"]
+    readonly_fields = fields
+
+
+@admin.register(Dispute)
+class DisputeAdmin(RowLinks, ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
+    list_display = ["id", "payment_link", "amount", "status", "reason", "refunded", "evidence_due_by",
+                    "created_at"]
+    list_filter = ["status", "reason"]
+    search_fields = ["id", "payment__id", "processor_dispute_id"]
+    list_select_related = ["payment"]
+    inlines = [EvidenceDraftInline]
+
+
+    @admin.display(description="refunded on the payment")
+    def refunded(self, obj: Dispute) -> str:
+        payment = obj.payment
+        return format_minor(payment.amount_refunded_minor + payment.amount_reserved_minor, payment.currency)
+
+
+@admin.register(DisputeEvidenceDraft)
+class DisputeEvidenceDraftAdmin(ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
+    list_display = ["id", "dispute", "status", "drafted_by", "created_at", "submitted_by", "submitted_at"]
+    list_filter = ["status"]
+    search_fields = ["id", "dispute__id"]
+    list_select_related = ["dispute", "drafted_by", "submitted_by"]

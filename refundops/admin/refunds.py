@@ -1,0 +1,298 @@
+"""Finance's pages on refunds: the refund list and page, the held queue, the dashboard."""
+
+from collections.abc import Callable
+from datetime import timedelta
+from decimal import Decimal
+
+from django.conf import settings
+from django.contrib import admin, messages
+from django.contrib.admin.utils import quote, unquote
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
+from django.views.decorators.http import require_POST
+
+from approvals.models import ApprovalAuthority
+from approvals.services import approve_refund, reject_refund, resubmit_refund
+from audit import charts
+from audit.admin import ReadOnlyHistoryAdmin, admin_link, checks_table
+from processors.money import currency_exponent, format_minor
+from refundops import reports
+from refundops.errors import ApiError
+from refundops.models import (
+    Refund,
+    RefundState,
+)
+from refundops.admin.base import RowLinks, _safe_next
+
+
+# -- refunds, the held queue and the dashboard ------------------------------------------------------
+
+def _history_table(refund: Refund) -> SafeString:
+    rows = format_html_join(
+        "", "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+        ((timezone.localtime(h.history_date).strftime("%Y-%m-%d %H:%M:%S"), h.status,
+          h.history_user.get_username() if h.history_user else "system / agent",
+          h.history_change_reason or "") for h in
+         refund.history.select_related("history_user").order_by("history_date", "history_id")))
+    return format_html('<table class="checks-table"><thead><tr><th>When</th><th>State</th><th>By</th>'
+                       '<th>Why</th></tr></thead><tbody>{}</tbody></table>', rows)
+
+
+def _requester(refund: Refund) -> str:
+    if refund.agent_id:
+        return f"agent {refund.agent.name}"
+    if refund.requested_by_id:
+        return f"staff {refund.requested_by.get_username()}"
+    return refund.get_origin_display()
+
+
+def _authority_note(refund: Refund, user, authorities: dict[str, int]) -> str:
+    """What the approver may do with this refund. The service checks again when they act."""
+    if refund.agent_id is None and refund.requested_by_id == user.pk:
+        return "your own request: someone else decides"
+    limit = authorities.get(refund.currency)
+    if limit is None:
+        return f"no authority in {refund.currency}"
+    if refund.amount_minor > limit:
+        return f"above your authority of {format_minor(limit, refund.currency)}"
+    return "within your authority"
+
+
+@admin.register(Refund)
+class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
+    ordering = ["-created_at"]
+    list_display = ["id", "amount", "status", "reason", "origin", "requester", "hold_reasons", "payment_link",
+                    "customer", "verdict_link", "created_at"]
+    # Currencies in use, not all forty the platform accepts.
+    list_filter = ["status", "origin", "reason", ("agent", admin.RelatedOnlyFieldListFilter),
+                   ("currency", admin.AllValuesFieldListFilter), "payment__processor"]
+    search_fields = ["id", "payment__id", "idempotency_key", "agent_session_id", "processor_refund_id",
+                     "payment__customer__email"]
+    list_select_related = ["payment__customer", "agent", "requested_by"]
+    date_hierarchy = "created_at"
+    show_full_result_count = False
+    actions = ["approve_selected", "reject_selected", "resubmit_selected"]
+    fieldsets = [
+        (None, {"fields": ["id", "payment", "amount", "status", "origin", "reason", "note", "created_at",
+                           "updated_at"]}),
+        ("Decision", {"fields": ["verdict", "hold_reasons", "failure_code", "failure_message"]}),
+        ("Who asked", {"fields": ["agent", "key_prefix", "requested_by", "agent_session_id", "agent_model",
+                                  "agent_reasoning", "conversation_context", "idempotency_key"]}),
+        ("Gateway", {"fields": ["processor_refund_id", "submit_attempts", "submitted_at", "settled_at",
+                                "estimated_arrival"]}),
+        ("Verdict checks", {"fields": ["verdict_checks"]}),
+        ("State history", {"fields": ["state_history"]}),
+    ]
+
+    # -- columns and fields ------------------------------------------------------------------------
+    @admin.display(description="payment", ordering="payment_id")
+    def payment_link(self, obj: Refund) -> str:
+        return admin_link("admin:refundops_payment_change", obj.payment_id)
+
+    @admin.display(description="customer")
+    def customer(self, obj: Refund) -> str:
+        return obj.payment.customer.name or obj.payment.customer.email
+
+
+    @admin.display(description="requested by")
+    def requester(self, obj: Refund) -> str:
+        return _requester(obj)
+
+
+    @admin.display(description="key")
+    def key_prefix(self, obj: Refund) -> str:
+        return f"{obj.agent_key.prefix}…" if obj.agent_key_id else "-"
+
+    @admin.display(description="checks")
+    def verdict_checks(self, obj: Refund) -> SafeString:
+        return checks_table(obj.verdict.checks if obj.verdict_id else [], currency=obj.currency)
+
+    @admin.display(description="who or what moved it, and why")
+    def state_history(self, obj: Refund) -> SafeString:
+        return _history_table(obj)
+
+    # -- approving and rejecting ------------------------------------------------------------------
+    def has_approve_permission(self, request) -> bool:
+        return request.user.has_perm("refundops.approve_refund")
+
+    def _decide(self, request, refund_ids, decide: Callable[..., Refund], verb: str, note: str = "") -> None:
+        done = []
+        for refund_id in refund_ids:
+            try:
+                refund = decide(refund_id=refund_id, approver=request.user, note=note)
+            except ApiError as refused:
+                messages.error(request, f"{refund_id}: {refused.message}")
+            else:
+                done.append(f"{refund.pk} ({refund.money})")
+        if done:
+            messages.success(request, f"{verb} {len(done)}: {', '.join(done)}.")
+
+    @admin.action(description="Approve selected held refunds", permissions=["approve"])
+    def approve_selected(self, request, queryset):
+        self._decide(request, queryset.order_by("created_at").values_list("pk", flat=True), approve_refund,
+                     "Approved")
+
+    @admin.action(description="Reject selected held refunds", permissions=["approve"])
+    def reject_selected(self, request, queryset):
+        self._decide(request, queryset.order_by("created_at").values_list("pk", flat=True), reject_refund,
+                     "Rejected", note="rejected from the refund list")
+
+    @admin.action(description="Send selected failed refunds to the gateway again", permissions=["approve"])
+    def resubmit_selected(self, request, queryset):
+        self._decide(request, queryset.order_by("created_at").values_list("pk", flat=True), resubmit_refund,
+                     "Sent again", note="resubmitted from the refund list")
+
+    def get_urls(self):
+        view = self.admin_site.admin_view
+        return [
+            path("held/", view(self.held_queue_view), name="refundops_refund_held"),
+            path("dashboard/", view(self.dashboard_view), name="refundops_dashboard"),
+            path("<path:object_id>/approve/", view(require_POST(self.approve_view)), name="refundops_refund_approve"),
+            path("<path:object_id>/reject/", view(require_POST(self.reject_view)), name="refundops_refund_reject"),
+            *super().get_urls(),
+        ]
+
+    def _decide_one(self, request, object_id: str, decide: Callable[..., Refund], verb: str) -> HttpResponse:
+        if not self.has_approve_permission(request):
+            raise PermissionDenied
+        refund_id = unquote(object_id)
+        self._decide(request, [refund_id], decide, verb, note=request.POST.get("note", "").strip()[:2000])
+        return HttpResponseRedirect(_safe_next(request, reverse("admin:refundops_refund_change", args=[quote(refund_id)])))
+
+    def approve_view(self, request, object_id: str) -> HttpResponse:
+        return self._decide_one(request, object_id, approve_refund, "Approved")
+
+    def reject_view(self, request, object_id: str) -> HttpResponse:
+        return self._decide_one(request, object_id, reject_refund, "Rejected")
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        held = Refund.objects.filter(pk=unquote(object_id), status=RefundState.HELD).exists()
+        extra = {"can_decide": held and self.has_approve_permission(request), **(extra_context or {})}
+        return super().change_view(request, object_id, form_url, extra)
+
+    def held_queue_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        held = list(Refund.objects.filter(status=RefundState.HELD)
+                    .select_related("payment__customer", "agent", "requested_by").order_by("created_at"))
+        authorities = dict(ApprovalAuthority.objects.filter(user=request.user, is_active=True)
+                           .values_list("currency", "max_amount_minor"))
+        expiry = timedelta(hours=settings.HELD_REFUND_EXPIRY_HOURS)
+        rows = [{"refund": r, "amount": format_minor(r.amount_minor, r.currency), "requester": _requester(r),
+                 "authority": _authority_note(r, request.user, authorities), "expires_at": r.created_at + expiry}
+                for r in held]
+        context = {
+            **self.admin_site.each_context(request), "opts": self.opts, "title": "Held refunds",
+            "rows": rows, "can_decide": self.has_approve_permission(request),
+            "authorities": [format_minor(v, c) for c, v in sorted(authorities.items())],
+            "expiry_hours": settings.HELD_REFUND_EXPIRY_HOURS,
+        }
+        return TemplateResponse(request, "admin/refundops/refund/held_queue.html", context)
+
+    def dashboard_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        data = reports.dashboard()
+        context = {**self.admin_site.each_context(request), "opts": self.opts, "title": "Finance dashboard",
+                   "data": data, **dashboard_charts(data)}
+        return TemplateResponse(request, "admin/refundops/dashboard.html", context)
+
+
+def dashboard_charts(data: reports.Dashboard) -> dict:
+    """Turn the report's numbers into inline SVG charts, one set per currency for money."""
+    def money_fmt(currency: str) -> Callable[[int], str]:
+        return lambda minor: format_minor(minor, currency)
+
+    def exact_fmt(currency: str) -> Callable[[int], str]:
+        return lambda minor: format_minor(minor, currency).removesuffix(f" {currency}")
+
+    def axis_fmt(currency: str) -> Callable[[int], str]:
+        """Compact axis ticks in major units (20k, 1.5M); exact figures are in the tooltips."""
+        exponent = currency_exponent(currency)
+
+        def fmt(minor: int) -> str:
+            major = Decimal(minor).scaleb(-exponent)
+            for size, suffix in ((10**9, "bn"), (10**6, "M"), (10**3, "k")):
+                if major >= size:
+                    return f"{(major / size).normalize():f}{suffix}"
+            return f"{major.normalize():f}"
+        return fmt
+
+    def day_label(i: int, day) -> str:
+        return f"{day:%d %b}" if i == 0 or day.day == 1 else str(day.day)
+
+    span = f"{data.days[0]:%d %b} to {data.days[-1]:%d %b %Y}"
+    daily = []
+    for cur in data.per_currency:
+        fmt = money_fmt(cur.currency)
+        value_bars = [charts.Bar(day_label(i, d.day), d.amount_minor,
+                                 f"{d.day:%a %d %b}: {fmt(d.amount_minor)} in {d.count} refunds")
+                      for i, d in enumerate(cur.days)]
+        count_bars = [charts.Bar(day_label(i, d.day), d.count, f"{d.day:%a %d %b}: {d.count} refunds, "
+                                 f"{fmt(d.amount_minor)}") for i, d in enumerate(cur.days)]
+        limit = cur.global_daily_limit_minor
+        today = cur.days[-1].amount_minor
+        daily.append({
+            "currency": cur.currency,
+            "today": fmt(today),
+            "limit": fmt(limit) if limit else None,
+            "share": f"{today * 100 / limit:.1f}%" if limit else None,
+            "value": charts.column_chart(
+                title=f"Refund value per day in {cur.currency}, against the global daily limit",
+                description=f"Value of refunds that count against limits, per day, {span}."
+                            + (f" The dashed line is the global daily limit of {fmt(limit)}." if limit else ""),
+                bars=value_bars, x_label="day", y_label=f"refunded ({cur.currency})", fmt=fmt,
+                tick_fmt=axis_fmt(cur.currency), value_fmt=exact_fmt(cur.currency), show_values=True,
+                limit=limit, limit_label="global daily limit"),
+            "count": charts.column_chart(
+                title=f"Number of refunds per day in {cur.currency}",
+                description=f"Refunds that count against limits, per day, {span}.",
+                bars=count_bars, x_label="day", y_label="refunds", show_values=True),
+        })
+    outcome_labels = ["approved by a person", "rejected", "expired", "still waiting", "canceled"]
+    held = charts.stacked_bar_chart(
+        title="Held refunds by hold rule, and how they ended",
+        description=f"Refunds held for a person since {data.days[0]:%d %b}, per rule that fired.",
+        series=outcome_labels, x_label="held refunds",
+        rows=[charts.StackedRow(rule, [outcomes[o] for o in reports.HOLD_OUTCOMES])
+              for rule, outcomes in data.held_by_rule.items()])
+    people = charts.stacked_bar_chart(
+        title="Held refunds decided, per person",
+        description=f"Approvals and rejections by each person since {data.days[0]:%d %b}.",
+        series=["approved", "rejected"], x_label="decisions",
+        rows=[charts.StackedRow(person, [d["approved"], d["rejected"]])
+              for person, d in data.decisions_by_person.items()])
+    duplicates = charts.column_chart(
+        title="Duplicate attempts blocked by idempotency, per day",
+        description="Requests that repeated an idempotency key and were answered with the first answer "
+                    "instead of acting twice. Many suggest timeouts or a looping agent.",
+        bars=[charts.Bar(day_label(i, d), data.duplicates_by_day.get(d, 0),
+                         f"{d:%a %d %b}: {data.duplicates_by_day.get(d, 0)} replays") for i, d in enumerate(data.days)],
+        x_label="day", y_label="replays", show_values=True)
+    duplicate_callers = charts.bar_chart(
+        title="Duplicate attempts by caller", description="Which agents (or staff) repeated keys most.",
+        x_label="replays", bars=[charts.Bar(caller, n, f"{caller}: {n} replays")
+                                 for caller, n in data.duplicates_by_agent.items()])
+    reasons = []
+    for currency, totals in sorted(data.reasons.items()):
+        fmt = money_fmt(currency)
+        reasons.append(charts.bar_chart(
+            title=f"Refunds by reason code in {currency}",
+            description=f"Value of refunds per reason since {data.days[0]:%d %b}; the count is in brackets.",
+            x_label=f"refunded ({currency})", fmt=fmt, tick_fmt=axis_fmt(currency),
+            bars=[charts.Bar(f"{t.label} ({t.count})", t.amount_minor,
+                             f"{t.label}: {t.count} refunds, {fmt(t.amount_minor)}") for t in totals]))
+    paid_twice = [{"payment": p, "captured": format_minor(p.amount_captured_minor, p.currency),
+                   "refunded": format_minor(p.amount_refunded_minor, p.currency)} for p in data.paid_twice]
+    return {"paid_twice_rows": paid_twice, "daily_charts": daily, "held_chart": held, "people_chart": people,
+            "duplicates_chart": duplicates, "duplicate_callers_chart": duplicate_callers, "reason_charts": reasons}
+
+
+admin.site.site_header = "RefundOps administration"
+admin.site.site_title = "RefundOps"
+admin.site.index_title = "Refunds, approvals and audit"

@@ -1,0 +1,88 @@
+"""The bounds that finance (limits) and fraud (hold rules) own, and the platform's switches."""
+
+from __future__ import annotations
+
+from django.db import models
+from simple_history.models import HistoricalRecords
+
+from processors.money import CURRENCY_CHOICES
+
+
+class PlatformState(models.Model):
+    """One row: the switches that stop every agent at once. Its row lock also serialises the
+    global running totals, so racing agents can never pass a global limit together."""
+
+    refunds_paused = models.BooleanField(default=False, help_text="Kill switch: pause agent refunds")
+    agents_disabled = models.BooleanField(default=False, help_text="Revoke all agent access")
+    changed_by = models.CharField(max_length=150, blank=True)
+    changed_at = models.DateTimeField(auto_now=True)
+    history = HistoricalRecords()
+
+    class Meta:
+        verbose_name = "platform switches"
+        verbose_name_plural = "platform switches"
+
+    def __str__(self) -> str:
+        return f"kill switch {'ON' if self.refunds_paused else 'off'}; agents {'disabled' if self.agents_disabled else 'enabled'}"
+
+    @classmethod
+    def current(cls) -> PlatformState:
+        state, _ = cls.objects.get_or_create(pk=1)
+        return state
+
+
+class RefundLimits(models.Model):
+    """Finance's bounds for one currency. Rows are never edited: a change writes a new version."""
+
+    currency = models.CharField(max_length=3, choices=CURRENCY_CHOICES)
+    version = models.PositiveIntegerField()
+    approval_threshold_minor = models.BigIntegerField(
+        help_text="Per refund: above this amount a person must approve")
+    reason_thresholds = models.JSONField(
+        default=dict, blank=True,
+        help_text='Per-reason approval thresholds overriding the one above, e.g. {"fraudulent": 2000}')
+    allowed_reasons = models.JSONField(default=list, help_text="Reasons an agent may use")
+    refund_window_days = models.PositiveIntegerField(default=90)
+    max_refunds_per_payment = models.PositiveIntegerField(default=5)
+    customer_daily_count = models.PositiveIntegerField()
+    customer_daily_amount_minor = models.BigIntegerField()
+    customer_30d_count = models.PositiveIntegerField()
+    customer_30d_amount_minor = models.BigIntegerField()
+    agent_hourly_amount_minor = models.BigIntegerField()
+    agent_daily_amount_minor = models.BigIntegerField()
+    session_amount_minor = models.BigIntegerField(help_text="Per agent session (one conversation)")
+    global_daily_amount_minor = models.BigIntegerField(help_text="Across all agents and people, per day")
+    note = models.CharField(max_length=300, blank=True)
+    created_by = models.CharField(max_length=150, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name_plural = "refund limits"
+        ordering = ["currency", "-version"]
+        constraints = [models.UniqueConstraint(fields=["currency", "version"], name="limits_one_version")]
+
+    def __str__(self) -> str:
+        return f"{self.currency} limits v{self.version}"
+
+
+class HoldRules(models.Model):
+    """Fraud's rules that hold a refund for a person. Versioned like the limits."""
+
+    version = models.PositiveIntegerField(unique=True)
+    hold_disputed = models.BooleanField(default=True)
+    hold_flagged = models.BooleanField(default=True)
+    hold_recent_contact_change = models.BooleanField(default=True)
+    contact_change_days = models.PositiveIntegerField(default=7)
+    hold_customer_velocity = models.BooleanField(default=True)
+    velocity_max_refunds = models.PositiveIntegerField(default=3, help_text="More than this many refunds…")
+    velocity_window_hours = models.PositiveIntegerField(default=24, help_text="…within this many hours")
+    note = models.CharField(max_length=300, blank=True)
+    created_by = models.CharField(max_length=150, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name_plural = "hold rules"
+        ordering = ["-version"]
+
+    def __str__(self) -> str:
+        return f"hold rules v{self.version}"
