@@ -7,8 +7,9 @@ rate limit, 5xx) becomes :class:`ProcessorUnavailable`; a final refusal becomes
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Literal, Protocol
 
 from processors.money import Money
@@ -43,6 +44,29 @@ class RefundResult:
     amount: Money
     failure_code: str = ""
     failure_message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayRefund:
+    """One refund of a payment as the gateway's own books show it."""
+
+    processor_refund_id: str
+    amount: Money
+    status: RefundStatus
+    our_refund_id: str = ""  # rf_… from the metadata we sent with it; "" for a refund made elsewhere
+    created_at: datetime | None = None  # when the gateway made it
+
+
+@dataclass(frozen=True, slots=True)
+class PaymentBook:
+    """What a gateway's books say of one payment: what it captured, and every refund of it."""
+
+    reference: str
+    captured: Money  # zero for an authorisation not (or never) captured, or voided
+    refunds: tuple[GatewayRefund, ...] = ()
+    # False when the gateway could not list the payment's refunds, so only those asked for by id
+    # are here: a refund made elsewhere would not show.
+    complete: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +127,12 @@ class PaymentProcessor(Protocol):
     def refund(self, request: RefundRequest) -> RefundResult: ...
 
     def fetch_refund(self, processor_refund_id: str) -> RefundResult: ...
+
+    def fetch_payment_book(self, payment: PaymentRef, *,
+                           known_refund_ids: Sequence[str] = ()) -> PaymentBook:
+        """The payment as the gateway books it: captured, and each refund. ``known_refund_ids``
+        are refunds we know of; a gateway that cannot list a payment's refunds looks those up."""
+        ...
 
     def void(self, payment: PaymentRef, *, idempotency_key: str, verdict_id: str) -> VoidResult: ...
 

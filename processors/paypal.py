@@ -10,7 +10,7 @@ issue name as the code).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,7 +30,9 @@ from paypalserversdk.paypal_serversdk_client import PaypalServersdkClient
 
 from processors.base import (
     CaptureResult,
+    GatewayRefund,
     InvalidWebhook,
+    PaymentBook,
     PaymentRef,
     ProcessorDeclined,
     ProcessorUnavailable,
@@ -61,6 +63,10 @@ TRANSMISSION_HEADERS = {
 }
 
 CUSTOM_ID_MAX = 127  # PayPal's limit for custom_id
+
+# A capture in these states took the money (pending: PayPal holds it, but it is taken).
+CAPTURED_STATUSES = frozenset({"COMPLETED", "PARTIALLY_REFUNDED", "REFUNDED", "PENDING"})
+MISSING = frozenset({"INVALID_RESOURCE_ID", "RESOURCE_NOT_FOUND"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +215,38 @@ class PayPalProcessor:
         with _edge("fetch refund"):
             response = self.client.payments.get_refund({"refund_id": processor_refund_id})
         return self._refund_result(response.body)
+
+    def fetch_payment_book(self, payment: PaymentRef, *,
+                           known_refund_ids: Sequence[str] = ()) -> PaymentBook:
+        """A capture's amount and its refunds. PayPal lists a capture's refunds only with its order
+        (``GET /v2/checkout/orders/{id}``, the purchase unit's ``payments``, each refund linking
+        ``up`` to its capture); the capture names its order in ``supplementary_data.related_ids``.
+        A capture with no order (made before the Orders API) is read with the refunds we know, by
+        id, and its book says it is not complete."""
+        with _edge("fetch capture"):
+            capture = self.client.payments.get_captured_payment({"capture_id": payment.reference}).body
+        captured, order_id = _read("capture", payment.reference, lambda: (
+            _captured(capture), getattr(getattr(getattr(capture, "supplementary_data", None), "related_ids", None),
+                                        "order_id", None) or ""))
+        if order_id:
+            with _edge("fetch order"):
+                order = self.client.orders.get_order({"id": order_id}).body
+            listed = _read("order", order_id, lambda: _order_refunds(order, capture_id=payment.reference))
+        else:
+            listed = []
+            for refund_id in known_refund_ids:
+                try:
+                    with _edge("fetch refund"):
+                        refund = self.client.payments.get_refund({"refund_id": refund_id}).body
+                except ProcessorDeclined as refused:
+                    if refused.code in MISSING:
+                        continue  # not at PayPal: the book leaves it out, for the reconciler to see
+                    raise
+                if _link_id(refund, "up") in ("", payment.reference):
+                    listed.append(refund)
+        refunds = tuple(_read("refund", getattr(refund, "id", "?"), lambda r=refund: _gateway_refund(r))
+                        for refund in listed)
+        return PaymentBook(reference=payment.reference, captured=captured, refunds=refunds, complete=bool(order_id))
 
     def void(self, payment: PaymentRef, *, idempotency_key: str, verdict_id: str) -> VoidResult:
         # PayPal's void takes no body, so the verdict travels only in our own records.
@@ -361,3 +399,43 @@ class PayPalProcessor:
             processor_refund_id=refund.id, status=status, amount=money,
             failure_code=(reason or refund.status) if final_failure else "",
             failure_message=f"PayPal refund {refund.status}" if final_failure else "")
+
+
+def _read(what: str, object_id: str, read: Any) -> Any:
+    """A PayPal object read into ours; one lacking what we need is PayPal's malformed answer."""
+    try:
+        return read()
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ProcessorDeclined(f"PayPal {what} {object_id} is malformed: {exc!r}",
+                                code=f"MALFORMED_{what.upper()}") from None
+
+
+def _captured(capture: Any) -> Money:
+    money = money_from_paypal(capture.amount.value, capture.amount.currency_code)
+    return money if getattr(capture, "status", None) in CAPTURED_STATUSES else Money(0, money.currency)
+
+
+def _link_id(resource: Any, rel: str) -> str:
+    """The last path segment of the resource's HATEOAS link ``rel``, e.g. the capture a refund is of."""
+    return next((str(link.href).rstrip("/").rsplit("/", 1)[-1] for link in getattr(resource, "links", None) or []
+                 if getattr(link, "rel", None) == rel), "")
+
+
+def _order_refunds(order: Any, *, capture_id: str) -> list[Any]:
+    """The order's refunds of one capture. A refund whose ``up`` link is missing is the capture's
+    when the order has no other capture."""
+    units = [getattr(unit, "payments", None) for unit in getattr(order, "purchase_units", None) or []]
+    captures = {c.id for payments in units if payments for c in getattr(payments, "captures", None) or []}
+    refunds = [r for payments in units if payments for r in getattr(payments, "refunds", None) or []]
+    return [r for r in refunds if _link_id(r, "up") == capture_id or (not _link_id(r, "up") and captures == {capture_id})]
+
+
+def _gateway_refund(refund: Any) -> GatewayRefund:
+    custom = str(getattr(refund, "custom_id", None) or "").split("|")[0]  # ours: "rf_…|vd_…|reason"
+    created = getattr(refund, "create_time", None)
+    return GatewayRefund(
+        processor_refund_id=str(refund.id),
+        amount=money_from_paypal(refund.amount.value, refund.amount.currency_code),
+        status=STATUSES.get(getattr(refund, "status", None) or "", "pending"),
+        our_refund_id=custom if custom.startswith("rf_") else "",
+        created_at=datetime.fromisoformat(str(created).replace("Z", "+00:00")) if created else None)

@@ -8,7 +8,7 @@ success after a configurable delay, and can be told to decline or to be down.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -18,7 +18,9 @@ from django.utils import timezone
 from processors import signing
 from processors.base import (
     CaptureResult,
+    GatewayRefund,
     InvalidWebhook,
+    PaymentBook,
     PaymentRef,
     ProcessorDeclined,
     ProcessorUnavailable,
@@ -114,6 +116,21 @@ class SandboxProcessor:
         except SandboxRefund.DoesNotExist:
             raise ProcessorDeclined(f"no sandbox refund {processor_refund_id}",
                                     code="no_such_refund") from None
+
+    def fetch_payment_book(self, payment: PaymentRef, *,
+                           known_refund_ids: Sequence[str] = ()) -> PaymentBook:
+        """The charge and every refund of it, from the sandbox's own ledger."""
+        self._control()
+        charge = SandboxCharge.objects.filter(reference=payment.reference).first()
+        if charge is None:
+            raise ProcessorDeclined(f"no sandbox charge {payment.reference}", code="no_such_charge")
+        refunds = tuple(
+            GatewayRefund(processor_refund_id=result.processor_refund_id, amount=result.amount,
+                          status=result.status, our_refund_id=str(refund.metadata.get("refund_id") or ""),
+                          created_at=refund.created_at)
+            for refund in charge.refunds.order_by("created_at", "pk") for result in [self._result(refund)])
+        captured = 0 if charge.voided else charge.captured_minor
+        return PaymentBook(reference=charge.reference, captured=Money(captured, charge.currency), refunds=refunds)
 
     def void(self, payment: PaymentRef, *, idempotency_key: str, verdict_id: str) -> VoidResult:
         self._control()

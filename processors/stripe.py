@@ -8,7 +8,7 @@ Outside production ``api_base`` points the same client at another host, such as 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
@@ -19,7 +19,9 @@ import stripe
 
 from processors.base import (
     CaptureResult,
+    GatewayRefund,
     InvalidWebhook,
+    PaymentBook,
     PaymentRef,
     ProcessorDeclined,
     ProcessorUnavailable,
@@ -148,6 +150,7 @@ def _money(amount: int, currency: str) -> Money:
 
 class StripeProcessor:
     name = "stripe"
+    BOOK_PAGE_SIZE = 100  # refunds per page when listing a payment's refunds; Stripe's largest
 
     def __init__(self, *, account: str, config: Mapping[str, Any]) -> None:
         self.account = account
@@ -183,6 +186,29 @@ class StripeProcessor:
         with _edge("fetch refund"):
             refund = self.client.v1.refunds.retrieve(processor_refund_id)
         return self._refund_result(refund)
+
+    def fetch_payment_book(self, payment: PaymentRef, *,
+                           known_refund_ids: Sequence[str] = ()) -> PaymentBook:
+        """What a payment intent (or a charge) captured, and every refund Stripe lists for it."""
+        reference = payment.reference
+        param = self._payment_param(reference)
+        with _edge("fetch payment"):
+            if "payment_intent" in param:
+                intent = self.client.v1.payment_intents.retrieve(reference)
+                captured = _read(lambda: _money(getattr(intent, "amount_received", 0) or 0, intent.currency), intent)
+            else:
+                charge = self.client.v1.charges.retrieve(reference)
+                captured = _read(lambda: _money(getattr(charge, "amount_captured", 0) or 0, charge.currency), charge)
+        params: dict[str, Any] = {**param, "limit": self.BOOK_PAGE_SIZE}
+        refunds: list[GatewayRefund] = []
+        while True:
+            with _edge("list refunds"):
+                page = self.client.v1.refunds.list(params=params)  # type: ignore[arg-type]
+            refunds += [_read(lambda r=refund: _gateway_refund(r), refund) for refund in page.data]
+            if not page.has_more or not page.data:
+                break
+            params["starting_after"] = page.data[-1].id
+        return PaymentBook(reference=reference, captured=captured, refunds=tuple(refunds))
 
     def void(self, payment: PaymentRef, *, idempotency_key: str, verdict_id: str) -> VoidResult:
         # Stripe's cancel takes no metadata, so the verdict travels only in our own records.
@@ -316,6 +342,25 @@ class StripeProcessor:
             failure_code=(getattr(refund, "failure_reason", None) or refund.status)
             if final_failure else "",
             failure_message=f"Stripe refund {refund.status}" if final_failure else "")
+
+
+def _gateway_refund(refund: stripe.Refund) -> GatewayRefund:
+    created = getattr(refund, "created", None)
+    return GatewayRefund(
+        processor_refund_id=refund.id, amount=_money(refund.amount, refund.currency),
+        # An unknown status is not success: in flight until Stripe says more.
+        status=STATUSES.get(getattr(refund, "status", None) or "", "pending"),
+        our_refund_id=_plain(getattr(refund, "metadata", None)).get("refund_id", ""),
+        created_at=datetime.fromtimestamp(created, tz=timezone.utc) if created else None)
+
+
+def _read(read: Any, obj: Any) -> Any:
+    """A Stripe object read into ours; one lacking what we need is Stripe's malformed answer."""
+    try:
+        return read()
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ProcessorDeclined(f"stripe answered a malformed {getattr(obj, 'object', 'object')} "
+                                f"{getattr(obj, 'id', '?')}: {exc!r}", code="malformed_response") from None
 
 
 def _ref_id(value: Any) -> str:

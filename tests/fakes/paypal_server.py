@@ -101,6 +101,7 @@ class FakePayPal(FakeGateway):
         self.captures: dict[str, dict[str, Any]] = {}
         self.authorizations: dict[str, dict[str, Any]] = {}
         self.refunds: dict[str, dict[str, Any]] = {}
+        self.orders: dict[str, dict[str, Any]] = {}
         self.disputes: dict[str, dict[str, Any]] = {}
         self.tokens_issued = 0
         self.next_refund_status = "COMPLETED"
@@ -110,6 +111,8 @@ class FakePayPal(FakeGateway):
         self._routes: list[tuple[str, re.Pattern[str], Callable[..., Response]]] = [
             ("POST", re.compile(r"/v2/payments/captures/(?P<id>[^/]+)/refund"), self._refund),
             ("GET", re.compile(r"/v2/payments/refunds/(?P<id>[^/]+)"), self._get_refund),
+            ("GET", re.compile(r"/v2/payments/captures/(?P<id>[^/]+)"), self._get_capture),
+            ("GET", re.compile(r"/v2/checkout/orders/(?P<id>[^/]+)"), self._get_order),
             ("POST", re.compile(r"/v2/payments/authorizations/(?P<id>[^/]+)/void"), self._void),
             ("POST", re.compile(r"/v2/payments/authorizations/(?P<id>[^/]+)/capture"), self._capture),
             ("POST", re.compile(r"/v1/notifications/verify-webhook-signature"), self._verify),
@@ -117,20 +120,32 @@ class FakePayPal(FakeGateway):
         ]
 
     # -- control API for tests -------------------------------------------------------------------
-    def add_capture(self, value: str, currency: str = "USD") -> str:
-        """A completed capture of ``value`` (PayPal's decimal string), ready to refund."""
+    def add_capture(self, value: str, currency: str = "USD", *, with_order: bool = True) -> str:
+        """A completed capture of ``value`` (PayPal's decimal string), ready to refund: of an order
+        paid at once, or (``with_order=False``) one made before the Orders API, with no order."""
         with self.lock:
-            return self._new_capture(Decimal(value), currency, authorization_id=None)
+            order_id = self._new_order("CAPTURE", Decimal(value), currency) if with_order else None
+            return self._new_capture(Decimal(value), currency, authorization_id=None, order_id=order_id)
 
     def add_authorization(self, value: str, currency: str = "USD") -> str:
+        """An authorisation of an order placed with ``intent: AUTHORIZE``, waiting for capture."""
         with self.lock:
             authorization_id = _new_id()
             self.authorizations[authorization_id] = {
                 "id": authorization_id, "status": "CREATED", "amount": _money(Decimal(value), currency),
                 "captured": Decimal(0), "create_time": _now(), "update_time": _now(),
                 "expiration_time": _now(timedelta(days=29)),
+                "order_id": self._new_order("AUTHORIZE", Decimal(value), currency),
             }
             return authorization_id
+
+    def capture_authorization(self, authorization_id: str, value: str, *, final_capture: bool = True) -> str:
+        """Capture (part of) an authorisation as the merchant would; the capture's id."""
+        with self.lock:
+            currency = self.authorizations[authorization_id]["amount"]["currency_code"]
+            response = self._capture({"amount": _money(Decimal(value), currency), "final_capture": final_capture},
+                                     None, authorization_id)
+            return json.loads(response.body)["id"]
 
     def set_refund_status(self, refund_id: str, status: str) -> None:
         with self.lock:
@@ -290,6 +305,9 @@ class FakePayPal(FakeGateway):
         refund_id = _new_id()
         refund = {
             "id": refund_id, "amount": _money(value, currency), "status": self.next_refund_status,
+            "seller_payable_breakdown": {"gross_amount": _money(value, currency),
+                                         "net_amount": _money(value, currency),
+                                         "total_refunded_amount": _money(capture["refunded"], currency)},
             "custom_id": custom_id, "note_to_payer": body.get("note_to_payer"),
             "capture_id": id, "create_time": _now(), "update_time": _now(),
             "links": [{"href": f"{self.url}/v2/payments/refunds/{refund_id}", "rel": "self",
@@ -307,6 +325,32 @@ class FakePayPal(FakeGateway):
                                 "Specified resource ID does not exist.", field="refund_id",
                                 location="path")
         return _json(200, self._representation(refund))
+
+    def _get_capture(self, body: dict[str, Any], request: Request, id: str) -> Response:
+        capture = self.captures.get(id)
+        if capture is None:
+            return paypal_error(404, "RESOURCE_NOT_FOUND", "INVALID_RESOURCE_ID",
+                                "Specified resource ID does not exist.", field="capture_id",
+                                location="path")
+        return _json(200, self._representation(capture))
+
+    def _get_order(self, body: dict[str, Any], request: Request, id: str) -> Response:
+        """An order with its purchase unit's payment history: every authorisation, capture and
+        refund made of it, each linking ``up`` to what it came from."""
+        order = self.orders.get(id)
+        if order is None:
+            return paypal_error(404, "RESOURCE_NOT_FOUND", "INVALID_RESOURCE_ID",
+                                "Specified resource ID does not exist.", field="order_id", location="path")
+        captures = [c for c in self.captures.values() if c.get("order_id") == id]
+        capture_ids = {c["id"] for c in captures}
+        payments = {
+            "authorizations": [self._representation(a) for a in self.authorizations.values()
+                               if a.get("order_id") == id],
+            "captures": [self._representation(c) for c in captures],
+            "refunds": [self._representation(r) for r in self.refunds.values() if r["capture_id"] in capture_ids],
+        }
+        unit = {**order["purchase_units"][0], "payments": {k: v for k, v in payments.items() if v}}
+        return _json(200, {**order, "purchase_units": [unit]})
 
     def _get_dispute(self, body: dict[str, Any], request: Request, id: str) -> Response:
         dispute = self.disputes.get(id)
@@ -363,7 +407,7 @@ class FakePayPal(FakeGateway):
         final = bool(body.get("final_capture", False)) or value == remaining
         authorization.update(status="CAPTURED" if final else "PARTIALLY_CAPTURED",
                              update_time=_now())
-        capture_id = self._new_capture(value, currency, authorization_id=id,
+        capture_id = self._new_capture(value, currency, authorization_id=id, order_id=authorization["order_id"],
                                        final_capture=final)
         return _json(201, self._representation(self.captures[capture_id]))
 
@@ -416,13 +460,31 @@ class FakePayPal(FakeGateway):
                                         "place precision is supported.", field=f"{field}/value"))
         return Decimal(value)
 
+    def _new_order(self, intent: str, value: Decimal, currency: str) -> str:
+        order_id = _new_id()
+        self.orders[order_id] = {
+            "id": order_id, "intent": intent, "status": "COMPLETED", "create_time": _now(),
+            "update_time": _now(),
+            "purchase_units": [{"reference_id": "default", "amount": _money(value, currency)}],
+            "links": [{"href": f"{self.url}/v2/checkout/orders/{order_id}", "rel": "self", "method": "GET"}],
+        }
+        return order_id
+
     def _new_capture(self, value: Decimal, currency: str, *, authorization_id: str | None,
-                     final_capture: bool = True) -> str:
+                     order_id: str | None, final_capture: bool = True) -> str:
         capture_id = _new_id()
+        related = {"order_id": order_id, "authorization_id": authorization_id}
+        up = (f"{self.url}/v2/payments/authorizations/{authorization_id}" if authorization_id
+              else f"{self.url}/v2/checkout/orders/{order_id}" if order_id else None)
         self.captures[capture_id] = {
             "id": capture_id, "status": "COMPLETED", "amount": _money(value, currency),
             "final_capture": final_capture, "refunded": Decimal(0),
-            "authorization_id": authorization_id,
+            "authorization_id": authorization_id, "order_id": order_id,
+            "supplementary_data": {"related_ids": {k: v for k, v in related.items() if v}} if order_id else None,
+            "links": [{"href": f"{self.url}/v2/payments/captures/{capture_id}", "rel": "self", "method": "GET"},
+                      {"href": f"{self.url}/v2/payments/captures/{capture_id}/refund", "rel": "refund",
+                       "method": "POST"},
+                      *([{"href": up, "rel": "up", "method": "GET"}] if up else [])],
             "seller_protection": {"status": "ELIGIBLE",
                                   "dispute_categories": ["ITEM_NOT_RECEIVED",
                                                          "UNAUTHORIZED_TRANSACTION"]},
@@ -433,7 +495,7 @@ class FakePayPal(FakeGateway):
     @staticmethod
     def _representation(resource: dict[str, Any]) -> dict[str, Any]:
         """The resource as PayPal shows it: without the fake's own bookkeeping."""
-        private = {"refunded", "captured", "capture_id", "authorization_id"}
+        private = {"refunded", "captured", "capture_id", "authorization_id", "order_id"}
         return {key: value for key, value in resource.items()
                 if key not in private and value is not None}
 

@@ -121,8 +121,11 @@ class FakeStripe(FakeGateway):
         self._idempotency: dict[str, tuple[str, str, dict[str, Any], Response]] = {}
         self._routes: list[tuple[str, re.Pattern[str], Callable[..., Response]]] = [
             ("POST", re.compile(r"/v1/refunds"), self._create_refund),
+            ("GET", re.compile(r"/v1/refunds"), self._list_refunds),
             ("GET", re.compile(r"/v1/refunds/(?P<id>[^/]+)"), self._get_refund),
             ("GET", re.compile(r"/v1/payment_intents"), self._list_payment_intents),
+            ("GET", re.compile(r"/v1/payment_intents/(?P<id>[^/]+)"), self._get_intent),
+            ("GET", re.compile(r"/v1/charges/(?P<id>[^/]+)"), self._get_charge),
             ("POST", re.compile(r"/v1/payment_intents/(?P<id>[^/]+)/cancel"), self._cancel_intent),
             ("POST", re.compile(r"/v1/payment_intents/(?P<id>[^/]+)/capture"), self._capture_intent),
             ("GET", re.compile(r"/v1/disputes/(?P<id>[^/]+)"), self._get_dispute),
@@ -304,6 +307,34 @@ class FakeStripe(FakeGateway):
     def _get_refund(self, params: dict[str, Any], id: str) -> Response:
         refund = self.refunds.get(id)
         return _json(200, refund) if refund else _missing("refund", id)
+
+    def _list_refunds(self, params: dict[str, Any]) -> Response:
+        """``GET /v1/refunds``: newest first, optionally of one charge or payment intent."""
+        limit = _int(params, "limit", minimum=1, default=10)
+        if limit > 100:
+            raise _Refusal(stripe_error(400, "This value must be less than or equal to 100.",
+                                        code="parameter_invalid_integer", param="limit"))
+        refunds = [refund for refund in self.refunds.values()
+                   if params.get("charge") in (None, refund["charge"])
+                   and params.get("payment_intent") in (None, refund["payment_intent"])]
+        order = {refund_id: n for n, refund_id in enumerate(self.refunds)}  # ties in one second: newest last made
+        refunds.sort(key=lambda refund: (refund["created"], order[refund["id"]]), reverse=True)
+        after = params.get("starting_after")
+        if after:
+            ids = [refund["id"] for refund in refunds]
+            if after not in ids:
+                raise _Refusal(_missing("refund", after, "starting_after"))
+            refunds = refunds[ids.index(after) + 1:]
+        return _json(200, {"object": "list", "data": refunds[:limit], "has_more": len(refunds) > limit,
+                           "url": "/v1/refunds"})
+
+    def _get_intent(self, params: dict[str, Any], id: str) -> Response:
+        intent = self.payment_intents.get(id)
+        return _json(200, intent) if intent else _missing("payment_intent", id, "intent")
+
+    def _get_charge(self, params: dict[str, Any], id: str) -> Response:
+        charge = self.charges.get(id)
+        return _json(200, charge) if charge else _missing("charge", id)
 
     def _cancel_intent(self, params: dict[str, Any], id: str) -> Response:
         intent = self.payment_intents.get(id)
