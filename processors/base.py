@@ -2,7 +2,10 @@
 
 Adapters translate SDK exceptions at their edge: a failure worth retrying (connection, timeout,
 rate limit, 5xx) becomes :class:`ProcessorUnavailable`; a final refusal becomes
-:class:`ProcessorDeclined` with a code. Nothing else escapes an adapter.
+:class:`ProcessorDeclined` with a code. Every field of a gateway's answer is read defensively
+there too: one that is missing or mistyped is the code ``malformed_response``, unavailable after a
+write (the money may have moved: look again) and declined after a read. Nothing else escapes an
+adapter.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ class GatewayRefund:
     status: RefundStatus
     our_refund_id: str = ""  # rf_… from the metadata we sent with it; "" for a refund made elsewhere
     created_at: datetime | None = None  # when the gateway made it
+    reason: str = ""  # the gateway's own reason word (Stripe: requested_by_customer, …); "" when it keeps none
+
+    @property
+    def result(self) -> RefundResult:
+        """As the answer to a refund call would state it (what the webhook path records)."""
+        return RefundResult(processor_refund_id=self.processor_refund_id, status=self.status, amount=self.amount)
 
 
 @dataclass(frozen=True, slots=True)

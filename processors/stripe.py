@@ -1,8 +1,11 @@
 """Stripe behind the processor interface, through the official SDK (``stripe.StripeClient``).
 
 Every SDK call goes through :func:`_edge`, which turns Stripe's typed errors into
-:class:`ProcessorUnavailable` (retry later) or :class:`ProcessorDeclined` (final, with a code).
-Outside production ``api_base`` points the same client at another host, such as a local fake.
+:class:`ProcessorUnavailable` (retry later) or :class:`ProcessorDeclined` (final, with a code), and
+every answer is read through :class:`_Fields`, so a field Stripe left out (older API versions,
+other Stripes) is a translated ``malformed_response`` or a stated fallback, never an
+``AttributeError``. Outside production ``api_base`` points the same client at another host, such
+as a local fake.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NoReturn
 
 import stripe
 
@@ -67,14 +70,38 @@ class StripeDispute:
 
 @dataclass(frozen=True, slots=True)
 class StripePaymentIntent:
+    """A payment intent with what its latest charge says happened to it since. Amounts are kept in
+    minor units beside the currency, so one in a currency we do not take can still be listed."""
+
     id: str
-    amount: Money
-    amount_received: Money
+    amount_minor: int  # what the intent asks for: the order amount
+    received_minor: int  # captured so far (0 while it awaits capture)
+    currency: str
     status: str
     created: int  # Unix time
     latest_charge: str
     customer: str
     metadata: Mapping[str, str] = field(default_factory=dict)
+    refunded_minor: int | None = None  # refunded on the charge; None when Stripe did not say
+    disputed: bool | None = None  # ever disputed; None when Stripe did not say
+    card_brand: str = ""
+    card_last4: str = ""
+
+    @property
+    def amount(self) -> Money:
+        return Money(self.amount_minor, self.currency)
+
+    @property
+    def order_amount(self) -> Money:
+        return self.amount
+
+    @property
+    def amount_received(self) -> Money:
+        return Money(self.received_minor, self.currency)
+
+    @property
+    def refunded(self) -> Money | None:
+        return None if self.refunded_minor is None else Money(self.refunded_minor, self.currency)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +171,61 @@ def _edge(action: str) -> Iterator[None]:
                                 code=exc.code or "api_error") from exc
 
 
+class _Fields:
+    """One Stripe object's fields, read defensively. A required field that is missing or of the
+    wrong type is Stripe's fault, said as ``malformed_response``: after a write the money may have
+    moved, so it is unavailable (look again later); after a read it is final."""
+
+    def __init__(self, obj: Any, what: str, *, after_write: bool = False) -> None:
+        if isinstance(obj, stripe.StripeObject):
+            obj = obj.to_dict()
+        self.obj = obj if isinstance(obj, Mapping) else {}
+        self.what, self.after_write = what, after_write
+        if not isinstance(obj, Mapping):
+            self.fail(f"is {type(obj).__name__}, not an object")
+
+    def fail(self, problem: str) -> NoReturn:
+        error = ProcessorUnavailable if self.after_write else ProcessorDeclined
+        raise error(f"stripe {self.what} {self.obj.get('id') or ''} {problem}".replace("  ", " "),
+                    code="malformed_response")
+
+    def get(self, name: str) -> Any:
+        return self.obj.get(name)
+
+    def text(self, name: str, default: str | None = None) -> str:
+        value = self.obj.get(name)
+        if isinstance(value, str) and value:
+            return value
+        if default is None:
+            self.fail(f"has no {name}")
+        return default
+
+    def integer(self, name: str, default: int | None = None) -> int:
+        value = self.obj.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if value is None and default is not None:
+            return default
+        self.fail(f"has no whole number {name} ({value!r})")
+
+    def optional_integer(self, name: str) -> int | None:
+        value = self.obj.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def money(self, amount: str = "amount") -> Money:
+        currency = self.text("currency").upper()
+        try:
+            return Money(self.integer(amount), currency)
+        except ValueError:
+            self.fail(f"is in {currency}, a currency RefundOps does not take")
+
+    def child(self, name: str) -> _Fields | None:
+        """An expandable or nested object, or None when it is absent or only an id."""
+        value = self.obj.get(name)
+        return _Fields(value, f"{self.what} {name}", after_write=self.after_write) \
+            if isinstance(value, Mapping) else None
+
+
 def _money(amount: int, currency: str) -> Money:
     return Money(int(amount), currency.upper())
 
@@ -180,12 +262,13 @@ class StripeProcessor:
             refund = self.client.v1.refunds.create(
                 params=params,  # type: ignore[arg-type]
                 options={"idempotency_key": request.idempotency_key})
-        return self._refund_result(refund)
+        return self._refund_result(_Fields(refund, "refund", after_write=True))
 
     def fetch_refund(self, processor_refund_id: str) -> RefundResult:
         with _edge("fetch refund"):
             refund = self.client.v1.refunds.retrieve(processor_refund_id)
-        return self._refund_result(refund)
+        # Read as after a write: the refund is ours, and the money may have moved.
+        return self._refund_result(_Fields(refund, "refund", after_write=True))
 
     def fetch_payment_book(self, payment: PaymentRef, *,
                            known_refund_ids: Sequence[str] = ()) -> PaymentBook:
@@ -214,29 +297,34 @@ class StripeProcessor:
         # Stripe's cancel takes no metadata, so the verdict travels only in our own records.
         intent_id = self._intent_id(payment, "void")
         with _edge("void"):
-            intent = self.client.v1.payment_intents.cancel(
+            answer = self.client.v1.payment_intents.cancel(
                 intent_id, options={"idempotency_key": idempotency_key})
-        if intent.status != "canceled":
-            raise ProcessorDeclined(f"payment intent {intent_id} is {intent.status}, not canceled",
+        intent = _Fields(answer, "payment intent", after_write=True)
+        status = intent.text("status")
+        if status != "canceled":
+            raise ProcessorDeclined(f"payment intent {intent_id} is {status}, not canceled",
                                     code="payment_intent_unexpected_state")
-        return VoidResult(reference=intent.id, status="voided")
+        return VoidResult(reference=intent.text("id"), status="voided")
 
     def capture(self, payment: PaymentRef, amount: Money, *, idempotency_key: str,
                 verdict_id: str) -> CaptureResult:
         intent_id = self._intent_id(payment, "capture")
         with _edge("capture"):
-            intent = self.client.v1.payment_intents.capture(
+            answer = self.client.v1.payment_intents.capture(
                 intent_id,
                 params={"amount_to_capture": amount.amount_minor,
                         "metadata": {"verdict_id": verdict_id}},
                 options={"idempotency_key": idempotency_key})
-        if intent.status not in ("succeeded", "processing"):
-            raise ProcessorDeclined(f"payment intent {intent_id} is {intent.status} after capture",
+        intent = _Fields(answer, "payment intent", after_write=True)
+        status = intent.text("status")
+        if status not in ("succeeded", "processing"):
+            raise ProcessorDeclined(f"payment intent {intent_id} is {status} after capture",
                                     code="payment_intent_unexpected_state")
-        return CaptureResult(reference=intent.id,
-                             amount=_money(intent.amount_received or amount.amount_minor,
-                                           intent.currency),
-                             status="captured" if intent.status == "succeeded" else "pending")
+        # amount_received is 0 while a capture is processing: what we asked for is on its way.
+        received = intent.optional_integer("amount_received") or amount.amount_minor
+        return CaptureResult(reference=intent.text("id"),
+                             amount=_money(received, intent.text("currency", amount.currency)),
+                             status="captured" if status == "succeeded" else "pending")
 
     def verify_webhook(self, payload: bytes, headers: Mapping[str, str]) -> WebhookEvent:
         if not self.webhook_secret:
@@ -260,35 +348,25 @@ class StripeProcessor:
     def fetch_dispute(self, dispute_id: str) -> StripeDispute:
         with _edge("fetch dispute"):
             dispute = self.client.v1.disputes.retrieve(dispute_id)
-        details = getattr(dispute, "evidence_details", None)
-        return StripeDispute(
-            id=dispute.id, amount=_money(dispute.amount, dispute.currency),
-            status=dispute.status, reason=dispute.reason,
-            charge=_ref_id(getattr(dispute, "charge", None)),
-            payment_intent=_ref_id(getattr(dispute, "payment_intent", None)),
-            evidence_due_by=getattr(details, "due_by", None),
-            is_charge_refundable=bool(getattr(dispute, "is_charge_refundable", False)))
+        return self._dispute(_Fields(dispute, "dispute"))
 
-    def list_payment_intents(self, *, created_gte: int | None = None,
-                             limit: int = 100) -> Iterator[StripePaymentIntent]:
-        """Every payment intent created at or after ``created_gte``, newest first, page by page."""
-        params: dict[str, Any] = {"limit": limit}
+    def list_payment_intents(self, *, created_gte: int | None = None, limit: int = 100,
+                             starting_after: str | None = None) -> Iterator[StripePaymentIntent]:
+        """Every payment intent created at or after ``created_gte`` (after ``starting_after``, when
+        given), newest first, page by page, each with its latest charge's summary."""
+        params: dict[str, Any] = {"limit": limit, "expand": ["data.latest_charge"]}
         if created_gte is not None:
             params["created"] = {"gte": created_gte}
-        while True:
-            with _edge("list payment intents"):
-                page = self.client.v1.payment_intents.list(params=params)  # type: ignore[arg-type]
-            for intent in page.data:
-                yield StripePaymentIntent(
-                    id=intent.id, amount=_money(intent.amount, intent.currency),
-                    amount_received=_money(intent.amount_received or 0, intent.currency),
-                    status=intent.status, created=intent.created,
-                    latest_charge=_ref_id(getattr(intent, "latest_charge", None)),
-                    customer=_ref_id(getattr(intent, "customer", None)),
-                    metadata=_plain(getattr(intent, "metadata", None)))
-            if not page.has_more or not page.data:
-                return
-            params["starting_after"] = page.data[-1].id
+        if starting_after:
+            params["starting_after"] = starting_after
+        for intent in self._pages(self.client.v1.payment_intents, params, "list payment intents"):
+            yield self._payment_intent(_Fields(intent, "payment intent"))
+
+    def list_disputes(self, payment: PaymentRef, *, limit: int = 100) -> list[StripeDispute]:
+        """Every dispute of a payment, open or closed, newest first."""
+        params: dict[str, Any] = {**self._payment_param(payment.reference), "limit": limit}
+        return [self._dispute(_Fields(item, "dispute"))
+                for item in self._pages(self.client.v1.disputes, params, "list disputes")]
 
     def create_payment_link(self, *, amount: Money, description: str, metadata: Mapping[str, str],
                             idempotency_key: str) -> StripePaymentLink:
@@ -306,12 +384,69 @@ class StripeProcessor:
             "payment_intent_data": {"metadata": dict(metadata)},
         }
         with _edge("create payment link"):
-            link = self.client.v1.payment_links.create(
+            answer = self.client.v1.payment_links.create(
                 params=params,  # type: ignore[arg-type]
                 options={"idempotency_key": idempotency_key})
-        return StripePaymentLink(id=link.id, url=link.url, amount=amount, active=bool(link.active))
+        link = _Fields(answer, "payment link", after_write=True)
+        return StripePaymentLink(id=link.text("id"), url=link.text("url"), amount=amount,
+                                 active=link.get("active") is not False)
 
     # -- helpers ---------------------------------------------------------------------------------
+    @staticmethod
+    def _pages(service: Any, params: dict[str, Any], action: str) -> Iterator[Any]:
+        """Each object of a Stripe list, following ``has_more`` with ``starting_after``."""
+        params = dict(params)
+        while True:
+            with _edge(action):
+                page = service.list(params=params)
+            listed = _Fields(page, action)
+            data = listed.get("data")
+            if not isinstance(data, list):
+                listed.fail("has no data")
+            yield from data
+            if not data or listed.get("has_more") is not True:
+                return
+            last = data[-1].get("id") if isinstance(data[-1], Mapping) else None
+            if not last:
+                listed.fail("ends with an object without an id")
+            params["starting_after"] = last
+
+    @staticmethod
+    def _payment_intent(intent: _Fields) -> StripePaymentIntent:
+        status = intent.text("status")
+        charge = intent.child("latest_charge")
+        received = intent.optional_integer("amount_received")
+        if received is None and charge is not None:
+            received = charge.optional_integer("amount_captured")
+        if received is None:
+            if status == "succeeded":  # money was taken, and neither object says how much
+                intent.fail("has no amount_received, and its charge no amount_captured")
+            received = 0
+        card = (charge.child("payment_method_details") if charge else None)
+        card = card.child("card") if card else None
+        last4 = str(card.get("last4") or "") if card else ""
+        disputed = charge.get("disputed") if charge else None
+        metadata = intent.get("metadata")
+        return StripePaymentIntent(
+            id=intent.text("id"), amount_minor=intent.integer("amount"), received_minor=received,
+            currency=intent.text("currency").upper(), status=status, created=intent.integer("created", 0),
+            latest_charge=_ref_id(intent.get("latest_charge")), customer=_ref_id(intent.get("customer")),
+            metadata={str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, Mapping) else {},
+            refunded_minor=charge.optional_integer("amount_refunded") if charge else None,
+            disputed=disputed if isinstance(disputed, bool) else None,
+            card_brand=str(card.get("brand") or "")[:20] if card else "",
+            card_last4=last4 if len(last4) == 4 and last4.isdigit() else "")
+
+    @staticmethod
+    def _dispute(dispute: _Fields) -> StripeDispute:
+        details = dispute.child("evidence_details")
+        return StripeDispute(
+            id=dispute.text("id"), amount=dispute.money(), status=dispute.text("status"),
+            reason=str(dispute.get("reason") or ""),
+            charge=_ref_id(dispute.get("charge")), payment_intent=_ref_id(dispute.get("payment_intent")),
+            evidence_due_by=details.optional_integer("due_by") if details else None,
+            is_charge_refundable=dispute.get("is_charge_refundable") is True)
+
     @staticmethod
     def _payment_param(reference: str) -> dict[str, str]:
         if reference.startswith("pi_"):
@@ -330,18 +465,15 @@ class StripeProcessor:
         return intent_id
 
     @staticmethod
-    def _refund_result(refund: stripe.Refund) -> RefundResult:
-        status = STATUSES.get(refund.status or "")
-        if status is None:
-            # An unknown status is not success: keep it in flight until Stripe says more.
-            status = "pending"
+    def _refund_result(refund: _Fields) -> RefundResult:
+        raw_status = str(refund.get("status") or "")
+        # An unknown status is not success: keep it in flight until Stripe says more.
+        status = STATUSES.get(raw_status, "pending")
         final_failure = status in ("failed", "canceled")
         return RefundResult(
-            processor_refund_id=refund.id, status=status,
-            amount=_money(refund.amount, refund.currency),
-            failure_code=(getattr(refund, "failure_reason", None) or refund.status)
-            if final_failure else "",
-            failure_message=f"Stripe refund {refund.status}" if final_failure else "")
+            processor_refund_id=refund.text("id"), status=status, amount=refund.money(),
+            failure_code=str(refund.get("failure_reason") or raw_status) if final_failure else "",
+            failure_message=f"Stripe refund {raw_status}" if final_failure else "")
 
 
 def _gateway_refund(refund: stripe.Refund) -> GatewayRefund:
@@ -351,7 +483,8 @@ def _gateway_refund(refund: stripe.Refund) -> GatewayRefund:
         # An unknown status is not success: in flight until Stripe says more.
         status=STATUSES.get(getattr(refund, "status", None) or "", "pending"),
         our_refund_id=_plain(getattr(refund, "metadata", None)).get("refund_id", ""),
-        created_at=datetime.fromtimestamp(created, tz=timezone.utc) if created else None)
+        created_at=datetime.fromtimestamp(created, tz=timezone.utc) if created else None,
+        reason=str(getattr(refund, "reason", None) or ""))
 
 
 def _read(read: Any, obj: Any) -> Any:
@@ -365,9 +498,9 @@ def _read(read: Any, obj: Any) -> Any:
 
 def _ref_id(value: Any) -> str:
     """An expandable field is an id or, when expanded, the object itself."""
-    if value is None:
-        return ""
-    return value if isinstance(value, str) else str(getattr(value, "id", ""))
+    if isinstance(value, Mapping):
+        return str(value.get("id") or "")
+    return value if isinstance(value, str) else ""
 
 
 def _plain(metadata: stripe.StripeObject | None) -> dict[str, str]:

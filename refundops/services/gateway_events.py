@@ -219,9 +219,11 @@ def apply_refund_news(*, processor: str, account: str, clues: RefundClues, event
 
 
 @transaction.atomic
-def record_external_refund(*, payment_id: str, result: RefundResult, reason: str, event: WebhookEvent) -> str:
+def record_external_refund(*, payment_id: str, result: RefundResult, reason: str, event: WebhookEvent,
+                           made_at: datetime | None = None) -> str:
     """A refund made on the gateway directly (its dashboard, another system): record it so every
-    running total and the refundable amount count it. Under the payment lock, once."""
+    running total and the refundable amount count it. Under the payment lock, once. ``made_at``
+    (when the gateway made it, if known) dates it, so the totals count it on the day it happened."""
     payment = lock_payment(payment_id)
     assert payment is not None
     # Payment, then platform, as refund decisions take them: the customer's and the platform's
@@ -230,7 +232,7 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
     existing = Refund.objects.filter(payment=payment, processor_refund_id=result.processor_refund_id).first()
     if existing is not None:  # a concurrent delivery got here first
         return f"{existing.pk}: already recorded"
-    now = timezone.now()
+    now = made_at or timezone.now()
     settled = result.status == "succeeded"
     message = (f"Refund {result.processor_refund_id} of {result.amount} was made on {payment.processor} "
                f"directly, not through RefundOps; learned from its event {event.event_id} ({event.type}).")
@@ -248,6 +250,8 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
         note=f"Made on {payment.processor} directly; learned from event {event.event_id}.")
     refund._change_reason = f"learned from {payment.processor} event {event.event_id}"
     refund.save()
+    if made_at is not None:  # created_at is set on insert; the running totals read it
+        Refund.objects.filter(pk=refund.pk).update(created_at=made_at)
     Verdict.objects.filter(pk=verdict.pk).update(refund_id=refund.pk)
     _cancel_what_no_longer_fits(payment, event=event)
     sync_payment_amounts(payment)

@@ -5,7 +5,9 @@ shaped like Stripe's own examples (``stripe/openapi`` fixtures3.json, MIT), the 
 ``{"error": {"type", "code", "message", "param"}}`` with Stripe's status codes, and idempotency
 keys stored with the first answer (same key, same parameters: that answer again with
 ``Idempotent-Replayed: true``; same key, other parameters: 400 ``idempotency_error``). It refuses
-to refund more than a charge captured, as Stripe does.
+to refund more than a charge captured, as Stripe does. Lists page newest first with ``limit`` and
+``starting_after`` and take Stripe's filters (``payment_intent``, ``charge``, ``created``) and
+``expand[]``; an unknown parameter is refused as Stripe refuses it (400 ``parameter_unknown``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,18 @@ REFUND_REASONS = ("duplicate", "fraudulent", "requested_by_customer")
 CANCELABLE = ("requires_payment_method", "requires_capture", "requires_confirmation",
               "requires_action", "processing")
 CANCELLATION_REASONS = ("duplicate", "fraudulent", "requested_by_customer", "abandoned")
+# Stripe's dispute evidence: text fields take up to 20,000 characters (150,000 in all); file fields
+# take the id of an uploaded file (file_…).
+EVIDENCE_TEXT = ("access_activity_log", "billing_address", "cancellation_policy_disclosure",
+                 "cancellation_rebuttal", "customer_email_address", "customer_name", "customer_purchase_ip",
+                 "duplicate_charge_explanation", "duplicate_charge_id", "product_description",
+                 "refund_policy_disclosure", "refund_refusal_explanation", "service_date", "shipping_address",
+                 "shipping_carrier", "shipping_date", "shipping_tracking_number", "uncategorized_text")
+EVIDENCE_FILES = ("cancellation_policy", "customer_communication", "customer_signature",
+                  "duplicate_charge_documentation", "receipt", "refund_policy", "service_documentation",
+                  "shipping_documentation", "uncategorized_file")
+# Where evidence can still be given, and where submitting it moves the dispute.
+SUBMITTED = {"needs_response": "under_review", "warning_needs_response": "warning_under_review"}
 
 
 class _Refusal(Exception):
@@ -118,6 +132,7 @@ class FakeStripe(FakeGateway):
         self.prices: dict[str, dict[str, Any]] = {}
         self.payment_links: dict[str, dict[str, Any]] = {}
         self.next_refund_status = "succeeded"
+        self._refuse_next: tuple[int, Response] | None = None  # (requests to let through first, answer)
         self._idempotency: dict[str, tuple[str, str, dict[str, Any], Response]] = {}
         self._routes: list[tuple[str, re.Pattern[str], Callable[..., Response]]] = [
             ("POST", re.compile(r"/v1/refunds"), self._create_refund),
@@ -128,9 +143,12 @@ class FakeStripe(FakeGateway):
             ("GET", re.compile(r"/v1/charges/(?P<id>[^/]+)"), self._get_charge),
             ("POST", re.compile(r"/v1/payment_intents/(?P<id>[^/]+)/cancel"), self._cancel_intent),
             ("POST", re.compile(r"/v1/payment_intents/(?P<id>[^/]+)/capture"), self._capture_intent),
+            ("GET", re.compile(r"/v1/disputes"), self._list_disputes),
             ("GET", re.compile(r"/v1/disputes/(?P<id>[^/]+)"), self._get_dispute),
+            ("POST", re.compile(r"/v1/disputes/(?P<id>[^/]+)"), self._update_dispute),
             ("POST", re.compile(r"/v1/prices"), self._create_price),
             ("POST", re.compile(r"/v1/payment_links"), self._create_payment_link),
+            ("POST", re.compile(r"/v1/payment_links/(?P<id>[^/]+)"), self._update_payment_link),
         ]
 
     # -- control API for tests -------------------------------------------------------------------
@@ -155,11 +173,42 @@ class FakeStripe(FakeGateway):
             }
             return intent_id
 
+    def refund_directly(self, payment: str, amount: int | None = None, *, reason: str | None = None,
+                        created: int | None = None, metadata: dict[str, str] | None = None,
+                        status: str = "succeeded") -> str:
+        """A refund made outside RefundOps (the Dashboard, another system) of a payment intent or
+        charge, as Stripe then lists it."""
+        with self.lock:
+            key = "payment_intent" if payment.startswith("pi_") else "charge"
+            params: dict[str, Any] = {key: payment, "metadata": metadata or {}}
+            if amount is not None:
+                params["amount"] = str(amount)
+            if reason is not None:
+                params["reason"] = reason
+            before, self.next_refund_status = self.next_refund_status, status
+            try:
+                answer = self._create_refund(params)
+            finally:
+                self.next_refund_status = before
+            assert answer.status == 200, answer.body
+            refund = json.loads(answer.body)
+            if created is not None:
+                self.refunds[refund["id"]]["created"] = created
+            return refund["id"]
+
+    def refuse_next(self, status: int, message: str, *, type: str = "invalid_request_error",
+                    code: str | None = None, param: str | None = None, after: int = 0) -> None:
+        """Answer one request, the next after ``after`` more, with this Stripe error, whatever it asks."""
+        with self.lock:
+            self._refuse_next = (after, stripe_error(status, message, type=type, code=code, param=param))
+
     def pay_payment_link(self, link_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """A customer pays through a link: the completed Checkout Session and the payment intent
         it made, which carries the link's ``payment_intent_data.metadata`` as Stripe copies it."""
         with self.lock:
             link = self.payment_links[link_id]
+            if not link["active"]:
+                raise ValueError(f"{link_id} is deactivated: Stripe shows the customer that it has expired")
             amount = sum(item["amount_total"] for item in link["line_items"])
             intent_id = self.add_payment_intent(amount, link["currency"])
             intent = self.payment_intents[intent_id]
@@ -195,6 +244,11 @@ class FakeStripe(FakeGateway):
             }
             return dispute_id
 
+    def close_dispute(self, dispute_id: str, status: str) -> None:
+        """The bank decides: ``won`` or ``lost`` (``warning_closed`` for an inquiry)."""
+        with self.lock:
+            self.disputes[dispute_id]["status"] = status
+
     def set_refund_status(self, refund_id: str, status: str, *, failure_reason: str = "") -> None:
         """Move a refund as Stripe may later (``failed`` gives the amount back to the charge)."""
         with self.lock:
@@ -222,6 +276,11 @@ class FakeStripe(FakeGateway):
 
     # -- dispatch --------------------------------------------------------------------------------
     def handle(self, request: Request) -> Response:
+        if self._refuse_next is not None:
+            after, refusal = self._refuse_next
+            self._refuse_next = (after - 1, refusal) if after else None
+            if not after:
+                return refusal
         if request.header("Authorization") != f"Bearer {self.api_key}":
             return stripe_error(401, "Invalid API Key provided: "
                                 f"{(request.header('Authorization') or '')[7:15]}****")
@@ -373,26 +432,75 @@ class FakeStripe(FakeGateway):
         return _json(200, intent)
 
     def _list_payment_intents(self, params: dict[str, Any]) -> Response:
-        limit = _int(params, "limit", minimum=1, default=10)
-        if limit > 100:
-            raise _Refusal(stripe_error(400, "This value must be less than or equal to 100.",
-                                        code="parameter_invalid_integer", param="limit"))
+        self._known(params, "created", "expand", "limit", "starting_after")
         created = params.get("created")
         bounds = created if isinstance(created, dict) else {"gte": created, "lte": created}
         checks = {"gt": int.__gt__, "gte": int.__ge__, "lt": int.__lt__, "lte": int.__le__}
         intents = [intent for intent in self.payment_intents.values()
                    if all(checks[op](intent["created"], int(value))
                           for op, value in bounds.items() if value is not None)]
-        # Newest first, as Stripe lists; ids break ties so pages are stable.
-        intents.sort(key=lambda intent: (intent["created"], intent["id"]), reverse=True)
-        after = params.get("starting_after")
-        if after:
-            ids = [intent["id"] for intent in intents]
-            if after not in ids:
-                raise _Refusal(_missing("payment_intent", after, "starting_after"))
-            intents = intents[ids.index(after) + 1:]
-        return _json(200, {"object": "list", "data": intents[:limit],
-                           "has_more": len(intents) > limit, "url": "/v1/payment_intents"})
+        expand = params.get("expand") or []
+        for path in expand:
+            if path != "data.latest_charge":
+                raise _Refusal(stripe_error(400, f"This property cannot be expanded ({path}).",
+                                            param="expand"))
+        page = self._page(intents, params, "/v1/payment_intents", "payment_intent")
+        if expand:
+            page["data"] = [{**intent, "latest_charge": self.charges.get(intent["latest_charge"])}
+                            for intent in page["data"]]
+        return _json(200, page)
+
+    def _list_disputes(self, params: dict[str, Any]) -> Response:
+        self._known(params, "charge", "payment_intent", "limit", "starting_after")
+        disputes = list(self.disputes.values())
+        for name in ("payment_intent", "charge"):
+            if params.get(name):
+                disputes = [d for d in disputes if d[name] == params[name]]
+        return _json(200, self._page(disputes, params, "/v1/disputes", "dispute"))
+
+    def _update_dispute(self, params: dict[str, Any], id: str) -> Response:
+        """Evidence is staged on the dispute; ``submit`` (Stripe's default: true) sends it to the
+        bank, after which the dispute is under review and takes no more."""
+        self._known(params, "evidence", "metadata", "submit", "expand")
+        dispute = self.disputes.get(id)
+        if dispute is None:
+            return _missing("dispute", id)
+        evidence = params.get("evidence") or {}
+        for name, value in evidence.items():
+            if name not in EVIDENCE_TEXT + EVIDENCE_FILES:
+                raise _Refusal(stripe_error(400, f"Received unknown parameter: evidence[{name}]",
+                                            code="parameter_unknown", param=f"evidence[{name}]"))
+            if name in EVIDENCE_TEXT and len(value) > 20_000:
+                raise _Refusal(stripe_error(400, "This value must be at most 20000 characters long.",
+                                            code="string_length_exceeded", param=f"evidence[{name}]"))
+            if name in EVIDENCE_FILES and not str(value).startswith("file_"):
+                raise _Refusal(_missing("file", str(value), f"evidence[{name}]"))
+        if sum(len(v) for k, v in evidence.items() if k in EVIDENCE_TEXT) > 150_000:
+            raise _Refusal(stripe_error(400, "The combined length of all evidence fields must be at most "
+                                        "150000 characters.", param="evidence"))
+        if dispute["status"] not in SUBMITTED:
+            return stripe_error(400, f"This dispute is {dispute['status']} and can no longer be updated "
+                                "with evidence.", param="evidence")
+        dispute["evidence"].update(evidence)
+        dispute["metadata"].update(params.get("metadata") or {})
+        if params.get("submit", "true") == "true":
+            dispute["status"] = SUBMITTED[dispute["status"]]
+            details = dispute["evidence_details"]
+            details.update(has_evidence=True, submission_count=details["submission_count"] + 1)
+        return _json(200, dispute)
+
+    def _update_payment_link(self, params: dict[str, Any], id: str) -> Response:
+        self._known(params, "active", "metadata", "inactive_message")
+        link = self.payment_links.get(id)
+        if link is None:
+            return _missing("payment_link", id)
+        if "active" in params:
+            if params["active"] not in ("true", "false"):
+                raise _Refusal(stripe_error(400, f"Invalid boolean: {params['active']}",
+                                            code="parameter_invalid_boolean", param="active"))
+            link["active"] = params["active"] == "true"
+        link["metadata"].update(params.get("metadata") or {})
+        return _json(200, {key: value for key, value in link.items() if key != "line_items"})
 
     def _get_dispute(self, params: dict[str, Any], id: str) -> Response:
         dispute = self.disputes.get(id)
@@ -442,6 +550,30 @@ class FakeStripe(FakeGateway):
         return _json(200, link)
 
     # -- helpers ---------------------------------------------------------------------------------
+    @staticmethod
+    def _known(params: dict[str, Any], *names: str) -> None:
+        for name in params:
+            if name not in names:
+                raise _Refusal(stripe_error(400, f"Received unknown parameter: {name}",
+                                            code="parameter_unknown", param=name))
+
+    def _page(self, objects: list[dict[str, Any]], params: dict[str, Any], url: str,
+              kind: str) -> dict[str, Any]:
+        """One page of a Stripe list: newest first (ids break ties), ``limit`` 1..100 (10 unless
+        given), after ``starting_after``."""
+        limit = _int(params, "limit", minimum=1, default=10)
+        if limit > 100:
+            raise _Refusal(stripe_error(400, "This value must be less than or equal to 100.",
+                                        code="parameter_invalid_integer", param="limit"))
+        objects = sorted(objects, key=lambda obj: (obj["created"], obj.get("id", "")), reverse=True)
+        after = params.get("starting_after")
+        if after:
+            ids = [obj.get("id") for obj in objects]
+            if after not in ids:
+                raise _Refusal(_missing(kind, after, "starting_after"))
+            objects = objects[ids.index(after) + 1:]
+        return {"object": "list", "data": objects[:limit], "has_more": len(objects) > limit, "url": url}
+
     def _charge(self, amount: int, currency: str, *, captured: bool,
                 payment_intent: str | None) -> str:
         charge_id = _new_id("ch")
@@ -449,7 +581,11 @@ class FakeStripe(FakeGateway):
             "id": charge_id, "object": "charge", "amount": amount,
             "amount_captured": amount if captured else 0, "amount_refunded": 0,
             "captured": captured, "currency": currency, "disputed": False,
-            "payment_intent": payment_intent, "refunded": False, "status": "succeeded",
+            "payment_intent": payment_intent,
+            "payment_method_details": {"card": {"brand": "visa", "country": "US", "exp_month": 8,
+                                                "exp_year": 2030, "funding": "credit", "last4": "4242",
+                                                "network": "visa"}, "type": "card"},
+            "refunded": False, "status": "succeeded",
         }
         return charge_id
 

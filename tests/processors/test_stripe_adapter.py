@@ -438,6 +438,96 @@ def test_list_payment_intents_walks_every_page_newest_first(
     assert listed[0].amount == Money(104, "USD")
 
 
+def test_listed_payment_intents_carry_their_charge_summary(
+        stripe_fake: FakeStripe, stripe_processor: StripeProcessor) -> None:
+    intent = stripe_fake.add_payment_intent(5_000)
+    stripe_fake.refund_directly(intent, 1_200)
+
+    listed = next(stripe_processor.list_payment_intents())
+
+    assert (listed.amount_received, listed.order_amount) == (Money(5_000, "USD"), Money(5_000, "USD"))
+    assert (listed.refunded, listed.disputed) == (Money(1_200, "USD"), False)
+    assert (listed.card_brand, listed.card_last4) == ("visa", "4242")
+    assert parse_form(stripe_fake.received[-1].query)["expand"] == ["data.latest_charge"]
+
+
+def test_a_payment_intent_without_amount_received_is_read_from_its_charge(
+        stripe_fake: FakeStripe, stripe_processor: StripeProcessor) -> None:
+    intent = stripe_fake.add_payment_intent(5_000)
+    del stripe_fake.payment_intents[intent]["amount_received"]
+
+    listed = next(stripe_processor.list_payment_intents())
+
+    assert listed.amount_received == Money(5_000, "USD")
+
+
+def test_a_charge_that_does_not_say_what_was_refunded_or_disputed_is_taken_as_unknown(
+        stripe_fake: FakeStripe, stripe_processor: StripeProcessor) -> None:
+    intent = stripe_fake.add_payment_intent(5_000)
+    charge = stripe_fake.charges[stripe_fake.payment_intents[intent]["latest_charge"]]
+    del charge["amount_refunded"], charge["disputed"], charge["payment_method_details"]
+
+    listed = next(stripe_processor.list_payment_intents())
+
+    assert (listed.refunded, listed.disputed, listed.card_brand, listed.card_last4) == (None, None, "", "")
+
+
+@pytest.mark.parametrize("missing", ["amount", "currency", "status", "id"])
+def test_a_payment_intent_missing_a_field_is_a_translated_gateway_error(
+        stripe_fake: FakeStripe, stripe_processor: StripeProcessor, missing: str) -> None:
+    intent = stripe_fake.add_payment_intent(5_000)
+    stripe_fake.payment_intents[intent]["amount_received"] = None
+    stripe_fake.charges[stripe_fake.payment_intents[intent]["latest_charge"]]["amount_captured"] = None
+    if missing != "amount":
+        del stripe_fake.payment_intents[intent][missing]
+
+    with pytest.raises(ProcessorDeclined) as caught:
+        list(stripe_processor.list_payment_intents())
+
+    assert caught.value.code == "malformed_response"
+    assert "payment intent" in caught.value.message
+
+
+def test_a_refund_answer_missing_its_amount_is_unavailable_not_a_crash(
+        stripe_fake: FakeStripe, stripe_processor: StripeProcessor) -> None:
+    intent = stripe_fake.add_payment_intent(5_000)
+    refund_id = stripe_fake.refund_directly(intent, 1_000)
+    del stripe_fake.refunds[refund_id]["amount"]
+
+    with pytest.raises(ProcessorUnavailable) as caught:  # the money may have moved: look again later
+        stripe_processor.fetch_refund(refund_id)
+
+    assert caught.value.code == "malformed_response"
+
+
+def test_a_payments_book_names_each_refunds_reason_for_the_import(
+        stripe_fake: FakeStripe, stripe_processor: StripeProcessor) -> None:
+    intent = stripe_fake.add_payment_intent(5_000)
+    theirs = stripe_fake.refund_directly(intent, 1_000, reason="duplicate")
+    ours = stripe_processor.refund(_refund(intent, 2_000, key="rf_1:a"))
+
+    book = stripe_processor.fetch_payment_book(_payment(intent))
+
+    assert {r.processor_refund_id: (r.reason, r.our_refund_id) for r in book.refunds} == {
+        theirs: ("duplicate", ""), ours.processor_refund_id: ("requested_by_customer", "rf_1")}
+    assert next(r for r in book.refunds if r.processor_refund_id == ours.processor_refund_id).result == ours
+
+
+def test_list_disputes_names_each_dispute_of_a_payment(
+        stripe_fake: FakeStripe, stripe_processor: StripeProcessor) -> None:
+    intent = stripe_fake.add_payment_intent(5_000)
+    charge = stripe_fake.payment_intents[intent]["latest_charge"]
+    first = stripe_fake.add_dispute(charge, reason="fraudulent")
+    stripe_fake.close_dispute(first, "lost")
+    second = stripe_fake.add_dispute(charge, reason="duplicate", due_by=1_900_000_000)
+
+    listed = stripe_processor.list_disputes(_payment(intent))
+
+    assert {(d.id, d.status, d.reason) for d in listed} == {(first, "lost", "fraudulent"),
+                                                            (second, "needs_response", "duplicate")}
+    assert all(d.payment_intent == intent and d.charge == charge for d in listed)
+
+
 def test_create_payment_link_is_one_idempotent_request_for_the_exact_amount(
         stripe_fake: FakeStripe, stripe_processor: StripeProcessor) -> None:
     link = stripe_processor.create_payment_link(
