@@ -31,6 +31,9 @@ from refundops.models import (
     Refund,
     RefundState,
 )
+from refundops.errors import ApiError
+from refundops.services.order_amounts import confirm_order_amount
+from refundops.services.payments import capture_payment
 from refundops.services.refunds import request_refund
 from refundops.admin.base import ReadOnlyInline, RowLinks
 
@@ -64,6 +67,22 @@ class DisputeInline(RowLinks, ReadOnlyInline, admin.TabularInline):
     readonly_fields = fields
 
 
+def minor_units(text: str, currency: str) -> int:
+    """``"19.99"`` in ``currency`` as minor units, exactly; a form error for anything else."""
+    text = text.strip().replace(",", "")
+    try:
+        major = Decimal(text)
+    except InvalidOperation:
+        raise forms.ValidationError("Enter an amount such as 19.99.") from None
+    exponent = currency_exponent(currency)
+    minor = major.scaleb(exponent)
+    if minor != minor.to_integral_value():
+        raise forms.ValidationError(f"{currency} has {exponent} decimal places.")
+    if minor <= 0:
+        raise forms.ValidationError("The amount must be more than zero.")
+    return int(minor)
+
+
 class StaffRefundForm(forms.Form):
     """A person asks for a refund; the same policy decides it as for an agent (origin: staff)."""
 
@@ -80,20 +99,29 @@ class StaffRefundForm(forms.Form):
         self.currency = currency
 
     def clean_amount(self) -> int | None:
-        text = self.cleaned_data["amount"].strip().replace(",", "")
-        if not text:
-            return None
-        try:
-            major = Decimal(text)
-        except InvalidOperation:
-            raise forms.ValidationError("Enter an amount such as 19.99.") from None
-        exponent = currency_exponent(self.currency)
-        minor = major.scaleb(exponent)
-        if minor != minor.to_integral_value():
-            raise forms.ValidationError(f"{self.currency} has {exponent} decimal places.")
-        if minor <= 0:
-            raise forms.ValidationError("The amount must be more than zero.")
-        return int(minor)
+        text = self.cleaned_data["amount"].strip()
+        return minor_units(text, self.currency) if text else None
+
+
+class OrderAmountForm(forms.Form):
+    """A person confirms the order amount of an authorisation (agents capture up to it)."""
+
+    amount = forms.CharField(max_length=30, help_text="In the payment's currency, e.g. 19.99; at most what "
+                                                      "was authorised.")
+    note = forms.CharField(required=False, max_length=2000, widget=forms.Textarea(attrs={"rows": 3}))
+
+    def __init__(self, *args, currency: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.currency = currency
+
+    def clean_amount(self) -> int:
+        return minor_units(self.cleaned_data["amount"], self.currency)
+
+
+class StaffCaptureForm(OrderAmountForm):
+    """A person captures an authorisation, through the same service and checks as an agent."""
+
+    idempotency_key = forms.CharField(widget=forms.HiddenInput, max_length=255)
 
 
 @admin.register(Payment)
@@ -155,11 +183,66 @@ class PaymentAdmin(ReadOnlyHistoryAdmin):
 
     def get_urls(self):
         return [path("<path:object_id>/refund/", self.admin_site.admin_view(self.refund_view),
-                     name="refundops_payment_refund"), *super().get_urls()]
+                     name="refundops_payment_refund"),
+                path("<path:object_id>/order-amount/", self.admin_site.admin_view(self.order_amount_view),
+                     name="refundops_payment_order_amount"),
+                path("<path:object_id>/capture/", self.admin_site.admin_view(self.capture_view),
+                     name="refundops_payment_capture"),
+                *super().get_urls()]
 
     def change_view(self, request, object_id, form_url="", extra_context=None):
-        extra = {"can_refund": request.user.has_perm("refundops.add_refund"), **(extra_context or {})}
+        extra = {"can_refund": request.user.has_perm("refundops.add_refund"),
+                 "can_capture": request.user.has_perm("refundops.change_payment"), **(extra_context or {})}
         return super().change_view(request, object_id, form_url, extra)
+
+    def _payment_page(self, request, payment: Payment, *, title: str, form, submit: str, text: str):
+        context = {**self.admin_site.each_context(request), "opts": self.opts, "title": title, "payment": payment,
+                   "form": form, "submit": submit, "text": text,
+                   "authorized": format_minor(payment.amount_authorized_minor, payment.currency),
+                   "order_amount": money_or_dash(payment.order_amount_minor, payment.currency)}
+        return TemplateResponse(request, "admin/refundops/payment/authorization_form.html", context)
+
+    def order_amount_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        if not request.user.has_perm("refundops.change_payment"):
+            raise PermissionDenied
+        payment = get_object_or_404(Payment, pk=unquote(object_id))
+        form = OrderAmountForm(request.POST or None, currency=payment.currency)
+        if request.method == "POST" and form.is_valid():
+            try:
+                confirm_order_amount(payment_id=payment.pk, amount_minor=form.cleaned_data["amount"],
+                                     user=request.user, note=form.cleaned_data["note"])
+            except ApiError as refused:
+                messages.error(request, f"{refused.code}: {refused.message}")
+            else:
+                messages.success(request, f"Order amount of {payment.pk} confirmed: "
+                                          f"{format_minor(form.cleaned_data['amount'], payment.currency)}.")
+                return HttpResponseRedirect(reverse("admin:refundops_payment_change", args=[quote(payment.pk)]))
+        return self._payment_page(request, payment, title=f"Order amount of {payment.pk}", form=form,
+                                  submit="Confirm order amount",
+                                  text="Agents may capture this authorisation up to the order amount you confirm.")
+
+    def capture_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        if not request.user.has_perm("refundops.change_payment"):
+            raise PermissionDenied
+        payment = get_object_or_404(Payment, pk=unquote(object_id))
+        fresh = {"idempotency_key": uuid.uuid4().hex}
+        form = StaffCaptureForm(request.POST or None, initial=fresh, currency=payment.currency)
+        if request.method == "POST" and form.is_valid():
+            answer = capture_payment(caller=Caller.for_user(request.user), txn_id=payment.pk,
+                                     data={"amount": form.cleaned_data["amount"], "note": form.cleaned_data["note"]},
+                                     idempotency_key=form.cleaned_data["idempotency_key"])
+            if answer.ok:
+                operation = answer.body["operation"]
+                messages.success(request, f"Capture {operation['id']} of "
+                                          f"{format_minor(operation['amount'], operation['currency'])}: "
+                                          f"{operation['status']}.")
+                return HttpResponseRedirect(reverse("admin:refundops_payment_change", args=[quote(payment.pk)]))
+            error = answer.body["error"]
+            messages.error(request, f"{error['code']}: {error['message']}")
+            form = StaffCaptureForm(initial={**fresh, "amount": request.POST.get("amount", ""),
+                                             "note": request.POST.get("note", "")}, currency=payment.currency)
+        return self._payment_page(request, payment, title=f"Capture {payment.pk}", form=form, submit="Capture",
+                                  text="Captures at the gateway now, at most the confirmed order amount.")
 
     def refund_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
         if not request.user.has_perm("refundops.add_refund"):
