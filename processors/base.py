@@ -79,6 +79,19 @@ class PaymentBook:
 
 
 @dataclass(frozen=True, slots=True)
+class DisputeSubmission:
+    """The gateway took a dispute's evidence; where the dispute stands after it."""
+
+    dispute_id: str
+    status: str  # the gateway's own word, e.g. Stripe "under_review", PayPal "UNDER_REVIEW"
+
+
+# A draft's text fields, in order, with the headings a gateway that takes one text gets.
+EVIDENCE_HEADINGS = {"summary": "Summary", "customer_communication": "Customer communication",
+                     "refund_policy": "Refund policy", "shipping_documentation": "Shipping documentation"}
+
+
+@dataclass(frozen=True, slots=True)
 class VoidResult:
     reference: str
     status: Literal["voided"]

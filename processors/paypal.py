@@ -29,12 +29,15 @@ from paypalserversdk.models.refund_request import RefundRequest as PayPalRefundR
 from paypalserversdk.paypal_serversdk_client import PaypalServersdkClient
 
 from processors.base import (
+    EVIDENCE_HEADINGS,
     CaptureResult,
+    DisputeSubmission,
     GatewayRefund,
     InvalidWebhook,
     PaymentBook,
     PaymentRef,
     ProcessorDeclined,
+    ProcessorError,
     ProcessorUnavailable,
     RefundRequest,
     RefundResult,
@@ -63,6 +66,7 @@ TRANSMISSION_HEADERS = {
 }
 
 CUSTOM_ID_MAX = 127  # PayPal's limit for custom_id
+EVIDENCE_NOTES_MAX = 2_000  # characters in one evidence's notes
 
 # A capture in these states took the money (pending: PayPal holds it, but it is taken).
 CAPTURED_STATUSES = frozenset({"COMPLETED", "PARTIALLY_REFUNDED", "REFUNDED", "PENDING"})
@@ -78,6 +82,43 @@ class PayPalDispute:
     reason: str
     captures: tuple[str, ...]  # disputed_transactions[].seller_transaction_id: our capture ids
     respond_by: int | None  # seller_response_due_date as Unix time
+
+
+@dataclass(frozen=True, slots=True)
+class PayPalTransaction:
+    """One row of PayPal's transaction search (the reporting API), read defensively."""
+
+    id: str
+    event_code: str  # T-code: T0006 a checkout payment, T1107 a refund by the merchant, …
+    status: str  # S completed, P pending, V reversed, D denied
+    currency: str
+    amount_minor: int | None  # signed as PayPal gives it (a refund is negative); None in a currency we do not take
+    initiated: int  # Unix time
+    reference: str  # paypal_reference_id: for a refund, the capture it refunds
+    custom: str  # custom_field: for a refund RefundOps made, "rf_…|vd_…|reason"
+    invoice: str
+    payer_id: str
+    payer_email: str
+    payer_name: str
+
+    @property
+    def amount(self) -> Money | None:
+        return None if self.amount_minor is None else Money(abs(self.amount_minor), self.currency)
+
+
+@dataclass(frozen=True, slots=True)
+class TransactionPage:
+    transactions: tuple[PayPalTransaction, ...]
+    page: int
+    total_pages: int
+
+
+def paypal_time(value: str) -> int:
+    """PayPal's times ("…Z", "…+00:00" and the reporting API's "…+0000") as Unix time."""
+    text = value.strip().replace("Z", "+00:00")
+    if len(text) > 5 and text[-5] in "+-" and text[-3] != ":":
+        text = f"{text[:-2]}:{text[-2:]}"
+    return int(datetime.fromisoformat(text).timestamp())
 
 
 def paypal_value(amount: Money) -> str:
@@ -157,6 +198,29 @@ def _body_code(answer: requests.Response) -> str:
     return f"http_{answer.status_code}"
 
 
+def _body_message(answer: requests.Response) -> str:
+    """PayPal's own words for an error: the first issue's description, else the message."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return ""
+    if not isinstance(body, dict):
+        return ""
+    detail = (body.get("details") or [{}])[0] or {}
+    return str(detail.get("description") or body.get("message") or "")
+
+
+@contextmanager
+def _reading(what: str, *, after_write: bool = False) -> Iterator[None]:
+    """Read a PayPal answer defensively: a field missing or of the wrong type is PayPal's fault,
+    ``malformed_response``: unavailable after a write (the money may have moved), else final."""
+    try:
+        yield
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        error = ProcessorUnavailable if after_write else ProcessorDeclined
+        raise error(f"paypal {what}: an answer RefundOps cannot read ({exc})", code="malformed_response") from None
+
+
 @contextmanager
 def _edge(action: str) -> Iterator[None]:
     """Translate every SDK and transport error raised inside; nothing else escapes."""
@@ -209,12 +273,14 @@ class PayPalProcessor:
                 "prefer": "return=representation",
                 "body": body,
             })
-        return self._refund_result(response.body, fallback_amount=request.amount)
+        with _reading("refund", after_write=True):
+            return self._refund_result(response.body, fallback_amount=request.amount)
 
     def fetch_refund(self, processor_refund_id: str) -> RefundResult:
         with _edge("fetch refund"):
             response = self.client.payments.get_refund({"refund_id": processor_refund_id})
-        return self._refund_result(response.body)
+        with _reading("refund", after_write=True):  # ours: the money may have moved
+            return self._refund_result(response.body)
 
     def fetch_payment_book(self, payment: PaymentRef, *,
                            known_refund_ids: Sequence[str] = ()) -> PaymentBook:
@@ -276,14 +342,17 @@ class PayPalProcessor:
                 "prefer": "return=representation",
                 "body": body,
             })
-        capture = response.body
-        if capture.status not in ("COMPLETED", "PENDING"):
-            raise ProcessorDeclined(f"PayPal capture is {capture.status}",
-                                    code=f"CAPTURE_{capture.status}")
-        captured = (money_from_paypal(capture.amount.value, capture.amount.currency_code)
-                    if getattr(capture, "amount", None) else amount)
-        return CaptureResult(reference=capture.id, amount=captured,
-                             status="captured" if capture.status == "COMPLETED" else "pending")
+        with _reading("capture", after_write=True):
+            capture = response.body
+            if capture.status not in ("COMPLETED", "PENDING"):
+                raise ProcessorDeclined(f"PayPal capture is {capture.status}",
+                                        code=f"CAPTURE_{capture.status}")
+            captured = (money_from_paypal(capture.amount.value, capture.amount.currency_code)
+                        if getattr(capture, "amount", None) else amount)
+            if not capture.id:
+                raise ValueError("a capture without an id")
+            return CaptureResult(reference=str(capture.id), amount=captured,
+                                 status="captured" if capture.status == "COMPLETED" else "pending")
 
     def verify_webhook(self, payload: bytes, headers: Mapping[str, str]) -> WebhookEvent:
         """PayPal verifies its own signatures: we post the transmission headers and the event to
@@ -356,7 +425,113 @@ class PayPalProcessor:
             raise ProcessorDeclined(f"paypal dispute {dispute_id} is malformed: {exc}",
                                     code="MALFORMED_DISPUTE") from None
 
+    def search_transactions(self, *, start: datetime, end: datetime, page: int = 1,
+                            page_size: int = 500) -> TransactionPage:
+        """One page of the balance-affecting transactions initiated from ``start`` to ``end``
+        (PayPal takes at most 31 days at a time), through the SDK's transaction search."""
+        with _edge("search transactions"):
+            response = self.client.transaction_search.search_transactions({
+                "start_date": start.strftime("%Y-%m-%dT%H:%M:%SZ"), "end_date": end.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "fields": "all", "page_size": page_size, "page": page})
+        body = response.body
+        try:
+            rows = getattr(body, "transaction_details", None) or []
+            return TransactionPage(transactions=tuple(self._transaction(row) for row in rows),
+                                   page=int(getattr(body, "page", None) or page),
+                                   total_pages=int(getattr(body, "total_pages", None) or 1))
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ProcessorDeclined(f"paypal search transactions: an answer RefundOps cannot read ({exc})",
+                                    code="malformed_response") from None
+
+    def list_disputes(self, *, created_after: datetime, page_size: int = 50) -> Iterator[str]:
+        """The ids of every dispute created at or after ``created_after`` (PayPal lists the last 180
+        days), newest first; :meth:`fetch_dispute` tells each one's whole story."""
+        page = 1
+        while True:
+            with _edge("list disputes"):
+                token = self._access_token()
+                answer = requests.get(f"{self.configuration.get_base_uri()}/v1/customer/disputes",
+                                      params={"create_time_after": created_after.strftime("%Y-%m-%dT%H:%M:%S.000Z"),
+                                              "page_size": page_size, "page": page},
+                                      headers={"Authorization": f"Bearer {token}"}, timeout=self.timeout)
+            self._raise_for_status(answer, "list disputes")
+            try:
+                body = answer.json()
+                items = body.get("items") or []
+                ids = [str(item["dispute_id"]) for item in items]
+                more = any(link.get("rel") == "next" for link in body.get("links") or [])
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                raise ProcessorDeclined(f"paypal list disputes: an answer RefundOps cannot read ({exc})",
+                                        code="malformed_response") from None
+            yield from ids
+            if not more or not ids:
+                return
+            page += 1
+
+    def submit_dispute_evidence(self, dispute_id: str, evidence: Mapping[str, str], *,
+                                idempotency_key: str) -> DisputeSubmission:
+        """``POST /v1/customer/disputes/{id}/provide-evidence`` (multipart, an ``input`` JSON part):
+        each drafted text as notes of an ``OTHER`` evidence, headed, in as many notes as PayPal's
+        2,000-character limit needs. The SDK has no disputes controller; this goes over
+        ``requests`` with the SDK's token, as :meth:`fetch_dispute` does."""
+        notes = []
+        for name, heading in EVIDENCE_HEADINGS.items():
+            text = evidence.get(name, "").strip()
+            if text:
+                whole = f"{heading}: {text}"
+                notes += [whole[i:i + EVIDENCE_NOTES_MAX] for i in range(0, len(whole), EVIDENCE_NOTES_MAX)]
+        body = {"evidences": [{"evidence_type": "OTHER", "notes": note} for note in notes]}
+        with _edge("provide dispute evidence"):
+            token = self._access_token()
+            answer = requests.post(
+                f"{self.configuration.get_base_uri()}/v1/customer/disputes/{dispute_id}/provide-evidence",
+                files={"input": (None, json.dumps(body), "application/json")},
+                headers={"Authorization": f"Bearer {token}", "PayPal-Request-Id": idempotency_key},
+                timeout=self.timeout)
+        self._raise_for_status(answer, f"provide evidence for dispute {dispute_id}")
+        # PayPal answers with links only: where the dispute stands now is asked of the dispute.
+        try:
+            status = self.fetch_dispute(dispute_id).status
+        except ProcessorError:
+            status = "EVIDENCE_PROVIDED"  # taken; its new state is for the dispute's own events
+        return DisputeSubmission(dispute_id=dispute_id, status=status)
+
     # -- helpers ---------------------------------------------------------------------------------
+    @staticmethod
+    def _transaction(row: Any) -> PayPalTransaction:
+        info = getattr(row, "transaction_info", None)
+        payer = getattr(row, "payer_info", None)
+        amount = getattr(info, "transaction_amount", None)
+        currency = str(getattr(amount, "currency_code", None) or "")
+        try:
+            minor = money_from_paypal(str(amount.value).lstrip("-"), currency).amount_minor
+            minor = -minor if str(amount.value).startswith("-") else minor
+        except (AttributeError, ValueError):
+            minor = None  # a currency we do not take, or no amount: nothing to import
+        name = getattr(payer, "payer_name", None)
+        full_name = getattr(name, "alternate_full_name", None) or " ".join(
+            part for part in (getattr(name, "given_name", None), getattr(name, "surname", None)) if part)
+        transaction_id = getattr(info, "transaction_id", None)
+        if not transaction_id:
+            raise ValueError("a transaction without transaction_id")
+        return PayPalTransaction(
+            id=str(transaction_id), event_code=str(getattr(info, "transaction_event_code", None) or ""),
+            status=str(getattr(info, "transaction_status", None) or ""), currency=currency, amount_minor=minor,
+            initiated=paypal_time(str(info.transaction_initiation_date)),
+            reference=str(getattr(info, "paypal_reference_id", None) or ""),
+            custom=str(getattr(info, "custom_field", None) or ""), invoice=str(getattr(info, "invoice_id", None) or ""),
+            payer_id=str(getattr(payer, "account_id", None) or getattr(info, "paypal_account_id", None) or ""),
+            payer_email=str(getattr(payer, "email_address", None) or ""), payer_name=str(full_name or ""))
+
+    @staticmethod
+    def _raise_for_status(answer: requests.Response, action: str) -> None:
+        if answer.status_code == 429 or answer.status_code >= 500:
+            raise ProcessorUnavailable(f"paypal {action}: HTTP {answer.status_code}", code=_body_code(answer),
+                                       retry_after=_retry_after(answer.headers))
+        if not 200 <= answer.status_code < 300:
+            raise ProcessorDeclined(f"paypal {action}: HTTP {answer.status_code} {_body_message(answer)}".rstrip(),
+                                    code=_body_code(answer))
+
     def _fetch_token(self, last_token: OAuthToken | None, auth: OAuth2) -> OAuthToken:
         """The SDK's own token call, given as a provider so its failures reach :func:`_edge`
         (the SDK's default path swallows them into a bare "token undefined" error)."""
@@ -392,6 +567,8 @@ class PayPalProcessor:
                  else fallback_amount)
         if money is None:
             raise ProcessorDeclined(f"PayPal refund {refund.id} has no amount", code="NO_AMOUNT")
+        if not getattr(refund, "id", None):
+            raise ValueError("a refund without an id")
         details = getattr(refund, "status_details", None)
         reason = str(getattr(details, "reason", "") or "") if details else ""
         final_failure = status in ("failed", "canceled")

@@ -119,6 +119,8 @@ CELERY_BEAT_SCHEDULE = {
                                           "schedule": timedelta(minutes=5)},
     "expire-held-refunds": {"task": "approvals.tasks.expire_held_refunds",
                             "schedule": timedelta(minutes=15)},
+    "expire-payment-links": {"task": "refundops.tasks.expire_payment_links",
+                             "schedule": timedelta(minutes=15)},
 }
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -222,3 +224,4 @@ REFUND_FIRST_SYNC_SECONDS = env.int("REFUND_FIRST_SYNC_SECONDS", default=6)
 # Business days a refund takes to reach the customer, by payment method.
 REFUND_ARRIVAL_DAYS = {"card": 7, "paypal": 3, "bank_transfer": 5, "wallet": 3}
 HELD_REFUND_EXPIRY_HOURS = env.int("HELD_REFUND_EXPIRY_HOURS", default=72)
+PAYMENT_LINK_EXPIRY_HOURS = env.int("PAYMENT_LINK_EXPIRY_HOURS", default=168)  # unpaid links are deactivated

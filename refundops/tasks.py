@@ -14,7 +14,7 @@ from django.utils import timezone
 from processors.base import ProcessorDeclined, ProcessorUnavailable
 from refundops import outbound
 from refundops.models import Refund, RefundState
-from refundops.services import payouts
+from refundops.services import link_expiry, payouts
 
 log = logging.getLogger(__name__)
 
@@ -127,3 +127,9 @@ def deliver_webhook(self, *, delivery_id: str) -> str:
         countdown = max(0.0, (delivery.next_attempt_at - timezone.now()).total_seconds())
         raise self.retry(countdown=countdown)
     return delivery.status
+
+
+@shared_task
+def expire_payment_links() -> int:
+    """Deactivate unpaid payment links past ``PAYMENT_LINK_EXPIRY_HOURS`` at their gateway."""
+    return link_expiry.expire_payment_links()

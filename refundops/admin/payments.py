@@ -32,6 +32,7 @@ from refundops.models import (
     RefundState,
 )
 from refundops.errors import ApiError
+from refundops.services.disputes import submit_dispute_evidence
 from refundops.services.order_amounts import confirm_order_amount
 from refundops.services.payments import capture_payment
 from refundops.services.refunds import request_refund
@@ -352,7 +353,7 @@ class PaymentLinkAdmin(RowLinks, ReadOnlyHistoryAdmin):
 class EvidenceDraftInline(ReadOnlyInline, admin.StackedInline):
     model = DisputeEvidenceDraft
     fields = ["id", "status", "drafted_by", "created_at", *DisputeEvidenceDraft.TEXT_FIELDS, "submitted_by",
-              "submitted_at"]
+              "submitted_at", "gateway_response"]
     readonly_fields = fields
 
 
@@ -375,8 +376,33 @@ class DisputeAdmin(RowLinks, ReadOnlyHistoryAdmin):
 
 @admin.register(DisputeEvidenceDraft)
 class DisputeEvidenceDraftAdmin(ReadOnlyHistoryAdmin):
+    """Agents draft; a person reads the draft and submits it to the gateway with the action."""
+
     ordering = ["-created_at"]
     list_display = ["id", "dispute", "status", "drafted_by", "created_at", "submitted_by", "submitted_at"]
     list_filter = ["status"]
     search_fields = ["id", "dispute__id"]
     list_select_related = ["dispute", "drafted_by", "submitted_by"]
+    actions = ["submit_to_gateway"]
+
+    def has_submit_permission(self, request) -> bool:
+        return request.user.has_perm("refundops.change_disputeevidencedraft")
+
+    @admin.action(description="Submit selected drafts to the gateway", permissions=["submit"])
+    def submit_to_gateway(self, request, queryset):
+        for draft_id in queryset.values_list("pk", flat=True):
+            try:
+                draft = submit_dispute_evidence(draft_id=draft_id, user=request.user)
+            except (ApiError, PermissionDenied) as refused:
+                messages.error(request, f"{draft_id}: {getattr(refused, 'message', refused)}")
+                continue
+            answer = draft.gateway_response
+            if draft.status == DisputeEvidenceDraft.Status.SUBMITTED:
+                messages.success(request, f"{draft.pk} submitted to {answer['gateway']}: the dispute is "
+                                          f"{answer['status']}.")
+            elif draft.status == DisputeEvidenceDraft.Status.FAILED:
+                messages.error(request, f"{draft.pk}: {answer['gateway']} refused ({answer['error']}) "
+                                        f"{answer['message']}")
+            else:
+                messages.warning(request, f"{draft.pk}: {answer['gateway']} did not answer ({answer['error']}); "
+                                          f"nothing changed there yet. Submit it again later.")

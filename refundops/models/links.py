@@ -107,11 +107,13 @@ class Dispute(models.Model):
 
 
 class DisputeEvidenceDraft(models.Model):
-    """Evidence an agent drafted. Only a person submits it."""
+    """Evidence an agent drafted. Only a person submits it to the gateway."""
 
     class Status(models.TextChoices):
         DRAFT = "draft", "Draft"
+        SUBMITTING = "submitting", "Being sent to the gateway"
         SUBMITTED = "submitted", "Submitted by a person"
+        FAILED = "failed", "Refused by the gateway"  # a person may submit it again
 
     TEXT_FIELDS = ("summary", "customer_communication", "refund_policy", "shipping_documentation")
 
@@ -128,6 +130,10 @@ class DisputeEvidenceDraft(models.Model):
     submitted_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT,
                                      related_name="+")
     submitted_at = models.DateTimeField(null=True, blank=True)
+    gateway_response = models.JSONField(default=dict, blank=True)  # the gateway's answer to the last submission
+    # Final answers so far: the gateway idempotency key names the attempt, so a submission the
+    # gateway never answered is sent again as the same request.
+    submit_attempts = models.PositiveIntegerField(default=0)
     history = HistoricalRecords()
 
     def __str__(self) -> str:

@@ -14,7 +14,9 @@ from refundops.answers import Answer
 from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.inputs import AgentContext, ValidationFailed, agent_context, reject_unknown, require_object, text
-from refundops.models import Dispute, DisputeEvidenceDraft
+from processors.base import DisputeSubmission, ProcessorDeclined, ProcessorError, ProcessorUnavailable
+from processors.registry import UnknownProcessor, get_processor
+from refundops.models import Dispute, DisputeEvidenceDraft, Payment
 from refundops.services.payments import approve, failed, guarded_operation, passed, refuse
 from refundops.services.refunds import verdict_json
 
@@ -80,25 +82,79 @@ def draft_json(draft: DisputeEvidenceDraft) -> dict[str, Any]:
             "created_at": draft.created_at.isoformat()}
 
 
-@transaction.atomic
 def submit_dispute_evidence(*, draft_id: str, user: Any) -> DisputeEvidenceDraft:
-    """A staff member submits a draft (after reading and editing it). Agents cannot reach this."""
+    """A staff member submits a draft (after reading it) to the dispute's gateway; agents cannot
+    reach this. Decided and committed first, the gateway called outside any lock, its answer then
+    recorded: submitted, refused (the gateway's code and words; a person may try again), or not
+    answered (the draft waits, and the next submission is the same request at the gateway)."""
+    draft = _start_submission(draft_id=draft_id, user=user)
+    answer: DisputeSubmission | None = None
+    failure: ProcessorError | None = None
+    try:
+        answer = _send_evidence(draft)
+    except ProcessorError as exc:
+        failure = exc
+    except UnknownProcessor as exc:
+        failure = ProcessorUnavailable(str(exc), code="not_configured")
+    return _finish_submission(draft_id=draft.pk, user=user, answer=answer, failure=failure)
+
+
+@transaction.atomic
+def _start_submission(*, draft_id: str, user: Any) -> DisputeEvidenceDraft:
     if not (user.is_active and user.is_staff):
         raise PermissionDenied("Only staff submit dispute evidence.")
-    draft = (DisputeEvidenceDraft.objects.select_for_update(of=("self",)).select_related("dispute")
+    draft = (DisputeEvidenceDraft.objects.select_for_update(of=("self",)).select_related("dispute__payment")
              .filter(pk=draft_id).first())
     if draft is None:
         raise ApiError("DISPUTE_NOT_FOUND", f"No evidence draft {draft_id!r}.")
-    if draft.status != DisputeEvidenceDraft.Status.DRAFT:
+    if draft.status == DisputeEvidenceDraft.Status.SUBMITTED:
         raise ApiError("DISPUTE_NOT_OPEN", f"Draft {draft.pk} was already submitted.")
+    if draft.status == DisputeEvidenceDraft.Status.SUBMITTING:
+        raise ApiError("DISPUTE_NOT_OPEN", f"Draft {draft.pk} is being submitted right now.")
     if draft.dispute.status != Dispute.Status.OPEN:
         raise ApiError("DISPUTE_NOT_OPEN", f"Dispute {draft.dispute_id} is {draft.dispute.status}.")
-    draft.status, draft.submitted_by, draft.submitted_at = (DisputeEvidenceDraft.Status.SUBMITTED, user,
+    draft.status, draft.submitted_by, draft.submitted_at = (DisputeEvidenceDraft.Status.SUBMITTING, user,
                                                             timezone.now())
-    draft._history_user = user
-    draft._change_reason = "submitted"
+    draft._history_user, draft._change_reason = user, "submitting"
     draft.save()
-    record_audit(actor=f"user:{user.get_username()}", action="dispute.evidence_submitted",
-                 subject_type="dispute", subject_id=draft.dispute_id,
-                 data={"draft_id": draft.pk, "verdict_id": draft.verdict_id})
+    return draft
+
+
+def _send_evidence(draft: DisputeEvidenceDraft) -> DisputeSubmission:
+    dispute, payment = draft.dispute, draft.dispute.payment
+    if payment.processor == Payment.Processor.SANDBOX:  # the sandbox keeps no disputes to answer
+        return DisputeSubmission(dispute_id=dispute.processor_dispute_id or dispute.pk, status="submitted")
+    processor = get_processor(payment.processor, payment.processor_account)
+    if not hasattr(processor, "submit_dispute_evidence") or not dispute.processor_dispute_id:
+        raise ProcessorDeclined(f"{payment.processor} dispute {dispute.pk} cannot take evidence through RefundOps",
+                                code="evidence_unsupported")
+    return processor.submit_dispute_evidence(
+        dispute.processor_dispute_id, {name: getattr(draft, name) for name in DisputeEvidenceDraft.TEXT_FIELDS},
+        idempotency_key=f"refundops:{draft.pk}:{draft.submit_attempts}")
+
+
+@transaction.atomic
+def _finish_submission(*, draft_id: str, user: Any, answer: DisputeSubmission | None,
+                       failure: ProcessorError | None) -> DisputeEvidenceDraft:
+    draft = DisputeEvidenceDraft.objects.select_for_update(of=("self",)).select_related("dispute__payment").get(
+        pk=draft_id)
+    gateway = draft.dispute.payment.processor
+    if answer is not None:
+        draft.status, action = DisputeEvidenceDraft.Status.SUBMITTED, "dispute.evidence_submitted"
+        draft.gateway_response = {"gateway": gateway, "dispute_id": answer.dispute_id, "status": answer.status}
+    else:
+        assert failure is not None
+        final = isinstance(failure, ProcessorDeclined)
+        draft.gateway_response = {"gateway": gateway, "error": failure.code, "message": failure.message}
+        if final:
+            draft.status, action = DisputeEvidenceDraft.Status.FAILED, "dispute.evidence_refused"
+            draft.submit_attempts += 1  # a new submission is a new request
+        else:
+            draft.status, action = DisputeEvidenceDraft.Status.DRAFT, "dispute.evidence_unanswered"
+            draft.submitted_by, draft.submitted_at = None, None
+    draft._history_user, draft._change_reason = user, action.split(".")[-1]
+    draft.save()
+    record_audit(actor=f"user:{user.get_username()}", action=action, subject_type="dispute",
+                 subject_id=draft.dispute_id, data={"draft_id": draft.pk, "verdict_id": draft.verdict_id,
+                                                    "gateway": draft.gateway_response})
     return draft

@@ -114,7 +114,7 @@ def apply_event(event: WebhookEvent, *, account: str) -> str:
         found = processor.fetch_dispute(event.object_id)
         return apply_dispute_news(
             processor="paypal", account=account, reference=found.id, event=event,
-            payment_references=found.captures, status=_paypal_dispute_status(found), reason=found.reason,
+            payment_references=found.captures, status=paypal_dispute_status(found), reason=found.reason,
             amount_minor=found.amount.amount_minor if found.amount else None,
             currency=found.amount.currency if found.amount else "", evidence_due_by=found.respond_by)
     if event.processor == "stripe" and (event.type in STRIPE_LINK_SESSION_EVENTS
@@ -132,7 +132,7 @@ def apply_event(event: WebhookEvent, *, account: str) -> str:
     return f"not an event RefundOps acts on ({event.type})"
 
 
-def _paypal_dispute_status(dispute: PayPalDispute) -> str:
+def paypal_dispute_status(dispute: PayPalDispute) -> str:
     if dispute.status != "RESOLVED":
         return Dispute.Status.OPEN
     return PAYPAL_OUTCOMES.get(dispute.outcome, Dispute.Status.LOST)

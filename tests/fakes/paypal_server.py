@@ -24,6 +24,8 @@ import zlib
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
+from email.parser import BytesParser
+from email.policy import HTTP
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -37,6 +39,14 @@ NO_DECIMALS = frozenset({"HUF", "JPY", "TWD"})
 VALUE = re.compile(r"^((-?[0-9]+)|(-?([0-9]+)?[.][0-9]+))$")  # PayPal's own pattern
 CERT_URL = "https://api.sandbox.paypal.com/v1/notifications/certs/CERT-360caa42-fca2a594-a5cafa77"
 DOCS = "https://developer.paypal.com/docs/api/payments/v2/"
+EVIDENCE_TYPES = frozenset({"PROOF_OF_FULFILLMENT", "PROOF_OF_REFUND", "PROOF_OF_DELIVERY_SIGNATURE",
+                            "PROOF_OF_RECEIPT_COPY", "RETURN_POLICY", "BILLING_AGREEMENT", "PROOF_OF_RESHIPMENT",
+                            "ITEM_DESCRIPTION", "POLICE_REPORT", "AFFIDAVIT", "PAID_WITH_OTHER_METHOD",
+                            "COPY_OF_CONTRACT", "TERMINAL_ATM_RECEIPT", "PRICE_DIFFERENCE_REASON",
+                            "SOURCE_CONVERSION_RATE", "BANK_STATEMENT", "CREDIT_DUE_REASON",
+                            "REQUEST_CREDIT_RECEIPT", "PROOF_OF_RETURN", "CREATE", "CHANGE_REASON",
+                            "PROOF_OF_REFUND_OUTSIDE_PAYPAL", "RECEIPT_OF_MERCHANDISE", "CUSTOMS_DOCUMENT",
+                            "CUSTOMS_FEE_RECEIPT", "INFORMATION_ON_RESOLUTION", "OTHER"})
 
 MESSAGES = {
     "INVALID_REQUEST": "Request is not well-formed, syntactically incorrect, or violates schema.",
@@ -85,6 +95,16 @@ def _money(value: Decimal, currency: str) -> dict[str, str]:
     return {"currency_code": currency, "value": f"{value:.{places}f}"}
 
 
+def _form_parts(request: Request) -> dict[str, str]:
+    """A multipart/form-data body as {part name: its text}."""
+    head = f"Content-Type: {request.header('Content-Type')}\r\n\r\n".encode()
+    message = BytesParser(policy=HTTP).parsebytes(head + request.body)
+    if not message.is_multipart():
+        raise ValueError("not multipart")
+    return {str(part.get_param("name", header="content-disposition")): part.get_payload(decode=True).decode()
+            for part in message.iter_parts()}
+
+
 def _canonical(event: Any) -> bytes:
     return json.dumps(event, sort_keys=True, separators=(",", ":")).encode()
 
@@ -116,16 +136,47 @@ class FakePayPal(FakeGateway):
             ("POST", re.compile(r"/v2/payments/authorizations/(?P<id>[^/]+)/void"), self._void),
             ("POST", re.compile(r"/v2/payments/authorizations/(?P<id>[^/]+)/capture"), self._capture),
             ("POST", re.compile(r"/v1/notifications/verify-webhook-signature"), self._verify),
+            ("GET", re.compile(r"/v1/customer/disputes"), self._list_disputes),
             ("GET", re.compile(r"/v1/customer/disputes/(?P<id>[^/]+)"), self._get_dispute),
+            ("GET", re.compile(r"/v1/reporting/transactions"), self._search_transactions),
+            ("POST", re.compile(r"/v1/customer/disputes/(?P<id>[^/]+)/provide-evidence"), self._provide_evidence),
         ]
 
     # -- control API for tests -------------------------------------------------------------------
-    def add_capture(self, value: str, currency: str = "USD", *, with_order: bool = True) -> str:
+    def add_capture(self, value: str, currency: str = "USD", *, with_order: bool = True,
+                    created: datetime | None = None, payer: dict[str, str] | None = None,
+                    invoice_id: str | None = None, custom_id: str | None = None) -> str:
         """A completed capture of ``value`` (PayPal's decimal string), ready to refund: of an order
-        paid at once, or (``with_order=False``) one made before the Orders API, with no order."""
+        paid at once, or (``with_order=False``) one made before the Orders API, with no order.
+        ``payer`` (``account_id``, ``email_address``, ``name``) is what the reporting API shows of
+        the buyer."""
         with self.lock:
             order_id = self._new_order("CAPTURE", Decimal(value), currency) if with_order else None
-            return self._new_capture(Decimal(value), currency, authorization_id=None, order_id=order_id)
+            capture_id = self._new_capture(Decimal(value), currency, authorization_id=None, order_id=order_id)
+            capture = self.captures[capture_id]
+            capture.update(invoice_id=invoice_id, custom_id=custom_id, payer=payer)
+            if created is not None:
+                capture["create_time"] = capture["update_time"] = created.strftime("%Y-%m-%dT%H:%M:%SZ")
+            return capture_id
+
+    def refund_directly(self, capture_id: str, value: str | None = None, *, custom_id: str | None = None,
+                        created: datetime | None = None, status: str = "COMPLETED") -> str:
+        """A refund made outside RefundOps (PayPal's site, another system)."""
+        with self.lock:
+            body: dict[str, Any] = {"custom_id": custom_id} if custom_id else {}
+            if value is not None:
+                body["amount"] = {"currency_code": self.captures[capture_id]["amount"]["currency_code"],
+                                  "value": value}
+            before, self.next_refund_status = self.next_refund_status, status
+            try:
+                answer = self._refund(body, Request("POST", "", "", {}, b""), capture_id)
+            finally:
+                self.next_refund_status = before
+            assert answer.status == 201, answer.body
+            refund_id = json.loads(answer.body)["id"]
+            if created is not None:
+                self.refunds[refund_id]["create_time"] = created.strftime("%Y-%m-%dT%H:%M:%SZ")
+            return refund_id
 
     def add_authorization(self, value: str, currency: str = "USD") -> str:
         """An authorisation of an order placed with ``intent: AUTHORIZE``, waiting for capture."""
@@ -241,7 +292,10 @@ class FakePayPal(FakeGateway):
             # PayPal answers a repeated request id with the first result, body unexamined.
             return self._replays[replay_key]
         try:
-            body = json.loads(request.body) if request.body.strip() else {}
+            if (request.header("Content-Type") or "").startswith("multipart/form-data"):
+                body = _form_parts(request)
+            else:
+                body = json.loads(request.body) if request.body.strip() else {}
             response = endpoint(body, request, **match.groupdict())
         except ValueError:
             return paypal_error(400, "INVALID_REQUEST", "MALFORMED_REQUEST_JSON",
@@ -359,6 +413,126 @@ class FakePayPal(FakeGateway):
                                 "Specified resource ID does not exist.", field="dispute_id",
                                 location="path")
         return _json(200, dispute)
+
+    def _provide_evidence(self, body: dict[str, Any], request: Request, id: str) -> Response:
+        """The seller's evidence: a multipart body whose ``input`` part is JSON ``{"evidences": […]}``,
+        each with an ``evidence_type`` and notes of at most 2,000 characters (documents, the other
+        parts, are not kept here). Taken only while the dispute waits for the seller."""
+        dispute = self.disputes.get(id)
+        if dispute is None:
+            return paypal_error(404, "RESOURCE_NOT_FOUND", "INVALID_RESOURCE_ID",
+                                "Specified resource ID does not exist.", field="dispute_id", location="path")
+        if "input" not in body:
+            return paypal_error(400, "INVALID_REQUEST", "MISSING_REQUIRED_PARAMETER",
+                                "A required field is missing.", field="input")
+        evidences = json.loads(body["input"]).get("evidences")
+        if not isinstance(evidences, list) or not evidences:
+            return paypal_error(400, "INVALID_REQUEST", "MISSING_REQUIRED_PARAMETER",
+                                "A required field is missing.", field="/evidences")
+        for index, evidence in enumerate(evidences):
+            if evidence.get("evidence_type") not in EVIDENCE_TYPES:
+                return paypal_error(400, "INVALID_REQUEST", "INVALID_PARAMETER_VALUE",
+                                    "The value of a field is invalid.", field=f"/evidences/{index}/evidence_type")
+            if len(evidence.get("notes") or "") > 2000:
+                return paypal_error(400, "INVALID_REQUEST", "INVALID_STRING_MAX_LENGTH",
+                                    "The value of a field is too long.", field=f"/evidences/{index}/notes")
+        if dispute["status"] != "WAITING_FOR_SELLER_RESPONSE":
+            # PayPal drops the provide-evidence link; it refuses the call as not allowed now.
+            return paypal_error(422, "UNPROCESSABLE_ENTITY", "NOT_ALLOWED",
+                                f"Evidence cannot be provided for a dispute that is {dispute['status']}.")
+        dispute.setdefault("evidences", []).extend(
+            {**evidence, "source": "SUBMITTED_BY_SELLER", "date": _now()} for evidence in evidences)
+        dispute.update(status="UNDER_REVIEW", update_time=_now())
+        return _json(200, {"links": [{"href": f"{self.url}/v1/customer/disputes/{id}", "rel": "self",
+                                      "method": "GET"}]})
+
+    def _search_transactions(self, body: dict[str, Any], request: Request) -> Response:
+        """``GET /v1/reporting/transactions``: the balance-affecting transactions initiated between
+        ``start_date`` and ``end_date`` (at most 31 days apart), oldest first, ``page`` (from 1) of
+        ``page_size`` (1..500, 100 unless given). Captures are T0006, refunds T1107 with a
+        negative amount and the capture as ``paypal_reference_id``; status S, P, V or D."""
+        query = dict(parse_qsl(request.query))
+        try:
+            start, end = (datetime.fromisoformat(query[name].replace("Z", "+00:00"))
+                          for name in ("start_date", "end_date"))
+        except KeyError as missing:
+            return paypal_error(400, "INVALID_REQUEST", "MISSING_REQUIRED_PARAMETER",
+                                f"{missing.args[0]} is required.", field=missing.args[0], location="query")
+        except ValueError:
+            return paypal_error(400, "INVALID_REQUEST", "INVALID_PARAMETER_SYNTAX",
+                                "Dates must be in Internet date and time format.", location="query")
+        if not timedelta(0) <= end - start <= timedelta(days=31):
+            return paypal_error(400, "INVALID_REQUEST", "INVALID_PARAMETER_VALUE",
+                                "Date range is greater than 31 days or end_date is before start_date.",
+                                field="end_date", location="query")
+        page, page_size = int(query.get("page", 1)), int(query.get("page_size", 100))
+        if page < 1 or not 1 <= page_size <= 500:
+            return paypal_error(400, "INVALID_REQUEST", "INVALID_PARAMETER_VALUE",
+                                "page must be at least 1 and page_size 1 to 500.", location="query")
+        rows = [row for row in self._transactions() if start <= row[0] <= end]
+        rows.sort(key=lambda row: (row[0], row[1]["transaction_info"]["transaction_id"]))
+        total_pages = max(1, -(-len(rows) // page_size))
+        details = [row[1] for row in rows[(page - 1) * page_size:page * page_size]]
+        if query.get("fields") != "all":  # only transaction_info unless all fields are asked for
+            details = [{"transaction_info": d["transaction_info"]} for d in details]
+        return _json(200, {"transaction_details": details, "account_number": "ZXCVBNM1234",
+                           "start_date": query["start_date"], "end_date": query["end_date"],
+                           "last_refreshed_datetime": _now(), "page": page, "total_items": len(rows),
+                           "total_pages": total_pages, "links": []})
+
+    def _transactions(self) -> list[tuple[datetime, dict[str, Any]]]:
+        def when(stamp: str) -> datetime:
+            return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+        def stamp(moment: datetime) -> str:  # the reporting API's own form, e.g. 2026-01-02T03:04:05+0000
+            return moment.strftime("%Y-%m-%dT%H:%M:%S+0000")
+
+        statuses = {"COMPLETED": "S", "PENDING": "P", "FAILED": "D", "CANCELLED": "D"}
+        rows = []
+        for capture in self.captures.values():
+            moment = when(capture["create_time"])
+            payer = capture.get("payer") or {}
+            info = {"paypal_account_id": payer.get("account_id"), "transaction_id": capture["id"],
+                    "transaction_event_code": "T0006", "transaction_initiation_date": stamp(moment),
+                    "transaction_updated_date": stamp(moment), "transaction_amount": capture["amount"],
+                    "transaction_status": "S" if capture["status"] != "PENDING" else "P",
+                    "invoice_id": capture.get("invoice_id"), "custom_field": capture.get("custom_id"),
+                    "protection_eligibility": "01"}
+            name = payer.get("name")
+            rows.append((moment, {
+                "transaction_info": {k: v for k, v in info.items() if v is not None},
+                "payer_info": {k: v for k, v in {
+                    "account_id": payer.get("account_id"), "email_address": payer.get("email_address"),
+                    "payer_name": {"alternate_full_name": name} if name else None}.items() if v}}))
+        for refund in self.refunds.values():
+            moment = when(refund["create_time"])
+            amount = refund["amount"]
+            info = {"transaction_id": refund["id"], "paypal_reference_id": refund["capture_id"],
+                    "paypal_reference_id_type": "TXN", "transaction_event_code": "T1107",
+                    "transaction_initiation_date": stamp(moment), "transaction_updated_date": stamp(moment),
+                    "transaction_amount": {"currency_code": amount["currency_code"], "value": f"-{amount['value']}"},
+                    "transaction_status": statuses.get(refund["status"], "P"), "custom_field": refund.get("custom_id")}
+            rows.append((moment, {"transaction_info": {k: v for k, v in info.items() if v is not None},
+                                  "payer_info": {}}))
+        return rows
+
+    def _list_disputes(self, body: dict[str, Any], request: Request) -> Response:
+        """``GET /v1/customer/disputes``: summaries, newest first, ``page`` (from 1) of ``page_size``
+        (1..50, 10 unless given), created at or after ``create_time_after`` when given."""
+        query = dict(parse_qsl(request.query))
+        page, page_size = int(query.get("page", 1)), int(query.get("page_size", 10))
+        if page < 1 or not 1 <= page_size <= 50:
+            return paypal_error(400, "INVALID_REQUEST", "INVALID_PARAMETER_VALUE",
+                                "page must be at least 1 and page_size 1 to 50.", location="query")
+        after = query.get("create_time_after")
+        disputes = [d for d in self.disputes.values() if not after or d["create_time"] >= after.replace(".000", "")]
+        disputes.sort(key=lambda d: (d["create_time"], d["dispute_id"]), reverse=True)
+        items = [{key: d[key] for key in ("dispute_id", "create_time", "update_time", "reason", "status",
+                                          "dispute_amount", "dispute_life_cycle_stage", "dispute_channel")}
+                 for d in disputes[(page - 1) * page_size:page * page_size]]
+        links = [{"href": f"{self.url}/v1/customer/disputes?page={page + 1}&page_size={page_size}",
+                  "rel": "next", "method": "GET"}] if page * page_size < len(disputes) else []
+        return _json(200, {"items": items, "links": links})
 
     def _void(self, body: dict[str, Any], request: Request, id: str) -> Response:
         authorization = self.authorizations.get(id)
@@ -495,7 +669,7 @@ class FakePayPal(FakeGateway):
     @staticmethod
     def _representation(resource: dict[str, Any]) -> dict[str, Any]:
         """The resource as PayPal shows it: without the fake's own bookkeeping."""
-        private = {"refunded", "captured", "capture_id", "authorization_id", "order_id"}
+        private = {"refunded", "captured", "capture_id", "authorization_id", "order_id", "payer"}
         return {key: value for key, value in resource.items()
                 if key not in private and value is not None}
 

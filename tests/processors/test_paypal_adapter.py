@@ -497,3 +497,40 @@ def test_when_paypal_cannot_be_asked_the_event_is_unverified_not_forged(
 
     with pytest.raises(ProcessorUnavailable):
         paypal_processor.verify_webhook(_payload(), headers)
+
+
+# -- reading PayPal's answers defensively ------------------------------------------------------------
+def test_a_refund_answer_without_its_amount_value_is_unavailable_not_a_crash(
+        paypal_fake: FakePayPal, paypal_processor: PayPalProcessor) -> None:
+    refund_id = paypal_fake.refund_directly(paypal_fake.add_capture("10.00"), "4.00")
+    del paypal_fake.refunds[refund_id]["amount"]["value"]
+
+    with pytest.raises(ProcessorUnavailable) as caught:  # ours may have paid: look again later
+        paypal_processor.fetch_refund(refund_id)
+
+    assert caught.value.code == "malformed_response"
+
+
+def test_transaction_search_reads_captures_and_refunds_with_their_signs(
+        paypal_fake: FakePayPal, paypal_processor: PayPalProcessor) -> None:
+    now = datetime.now(timezone.utc)
+    capture = paypal_fake.add_capture("25.00", payer={"account_id": "PAYER1", "email_address": "p@example.com"},
+                                      created=now - timedelta(days=1))
+    refund = paypal_fake.refund_directly(capture, "5.00", custom_id="rf_1|vd_1|duplicate")
+
+    page = paypal_processor.search_transactions(start=now - timedelta(days=2), end=now + timedelta(minutes=1))
+
+    rows = {row.id: row for row in page.transactions}
+    assert (rows[capture].event_code, rows[capture].amount, rows[capture].payer_id) == ("T0006", Money(2_500, "USD"),
+                                                                                          "PAYER1")
+    assert (rows[refund].event_code, rows[refund].amount_minor, rows[refund].reference) == ("T1107", -500, capture)
+    assert rows[refund].custom == "rf_1|vd_1|duplicate" and page.total_pages == 1
+
+
+def test_a_search_longer_than_31_days_is_paypals_final_refusal(paypal_processor: PayPalProcessor) -> None:
+    now = datetime.now(timezone.utc)
+
+    with pytest.raises(ProcessorDeclined) as caught:
+        paypal_processor.search_transactions(start=now - timedelta(days=40), end=now)
+
+    assert caught.value.code == "INVALID_PARAMETER_VALUE"

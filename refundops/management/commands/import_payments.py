@@ -11,6 +11,13 @@ already did to them, so an agent is never told "approved" for money that is gone
 - an authorisation with its order amount (Stripe: the payment intent's amount), so it can be
   captured; a person may change that amount in the admin before capture.
 
+Stripe: payment intents, newest first, each with its latest charge (which says whether there are
+refunds or disputes to list). PayPal: the SDK's transaction search, oldest first in windows of at
+most 31 days (PayPal's limit; it keeps three years, and a transaction may take up to three hours
+to appear there): checkout payments (T00nn) are captures, merchant refunds (T1107) name their
+capture; then its disputes API for disputes created since (it lists the last 180 days).
+PayPal authorisations not yet captured are not balance-affecting there and are left out.
+
 Running it again imports nothing twice and learns what happened since. A payment and what
 happened to it are written in one transaction, so a stop in between leaves nothing half done.
 A gateway that stops answering stops the import with the way on ("run again"); a final refusal
@@ -22,7 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import date, datetime, time, timezone
+from collections.abc import Iterator
+from datetime import date, datetime, time, timedelta, timezone
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -33,12 +41,15 @@ from audit.services import record_audit
 from processors.base import GatewayRefund, ProcessorDeclined, ProcessorError, PaymentRef, WebhookEvent
 from processors.money import CURRENCY_EXPONENTS
 from processors.registry import UnknownProcessor, get_processor
+from processors.base import RefundStatus
+from processors.paypal import PayPalProcessor, PayPalTransaction
 from processors.stripe import StripeDispute, StripePaymentIntent, StripeProcessor
 from refundops.models import Customer, Dispute, GatewayCustomer, Payment, Reason, Refund
 from refundops.services.gateway_events import (
     DISPUTE_STATUSES,
     STRIPE_REASONS,
     apply_dispute_news,
+    paypal_dispute_status,
     record_external_refund,
 )
 
@@ -165,6 +176,70 @@ def record_stripe_dispute(payment: Payment, dispute: StripeDispute, *, account: 
     return new
 
 
+# -- PayPal -------------------------------------------------------------------------------------------
+
+PAYPAL_WINDOW = timedelta(days=31) - timedelta(seconds=1)  # one transaction search spans at most 31 days
+PAYPAL_HISTORY = timedelta(days=3 * 365)  # how far back the transaction search reaches
+PAYPAL_DISPUTE_HISTORY = timedelta(days=180)  # how far back the disputes list reaches
+PAYPAL_REFUND_STATUSES: dict[str, RefundStatus] = {"S": "succeeded", "P": "pending", "D": "failed", "V": "canceled"}
+
+
+def paypal_windows(since: datetime, until: datetime) -> Iterator[tuple[datetime, datetime]]:
+    start = since
+    while start < until:
+        end = min(start + PAYPAL_WINDOW, until)
+        yield start, end
+        start = end + timedelta(seconds=1)
+
+
+def import_paypal_capture(txn: PayPalTransaction, *, account: str, tally: Tally) -> None:
+    amount = txn.amount
+    # Pending (P) or denied (D) took no money yet; a reversed one (V) did, and its refunds follow.
+    if amount is None or txn.status not in ("S", "V") or txn.amount_minor <= 0:
+        tally.count("skipped")
+        return
+
+    def fields() -> dict[str, Any]:
+        return {"customer": customer_for(gateway="paypal", account=account, reference=txn.payer_id,
+                                         email=txn.payer_email, name=txn.payer_name, guest_of=txn.id),
+                "currency": amount.currency, "amount_authorized_minor": amount.amount_minor,
+                "amount_captured_minor": amount.amount_minor, "order_amount_minor": amount.amount_minor,
+                "status": Payment.Status.CAPTURED, "method_type": "paypal",
+                "captured_at": datetime.fromtimestamp(txn.initiated, tz=timezone.utc),
+                "order_reference": (txn.invoice or txn.custom)[:100]}
+
+    _, created = find_or_create_payment(gateway="paypal", account=account, reference=txn.id, make=fields)
+    tally.count("created" if created else "present")
+
+
+def import_paypal_refund(txn: PayPalTransaction, *, account: str, tally: Tally) -> None:
+    payment = Payment.objects.filter(processor="paypal", processor_account=account,
+                                     processor_reference=txn.reference).first()
+    if payment is None or txn.amount is None:  # a refund of a payment taken before --since
+        return
+    custom = txn.custom.split("|")  # ours: "rf_…|vd_…|reason" (PayPalProcessor._custom_id)
+    refund = GatewayRefund(processor_refund_id=txn.id, amount=txn.amount,
+                           status=PAYPAL_REFUND_STATUSES.get(txn.status, "pending"),
+                           our_refund_id=custom[0] if custom[0].startswith("rf_") else "",
+                           created_at=datetime.fromtimestamp(txn.initiated, tz=timezone.utc))
+    with transaction.atomic():
+        tally.refunds += record_refunds(payment, [refund], reason_of=lambda word: Reason.CUSTOMER_REQUEST)
+
+
+def import_paypal_disputes(processor: PayPalProcessor, *, account: str, since: datetime, tally: Tally) -> None:
+    for dispute_id in processor.list_disputes(created_after=since):
+        if Dispute.objects.filter(payment__processor="paypal", payment__processor_account=account,
+                                  processor_dispute_id=dispute_id).exists():
+            continue  # its news come by webhook; known once is enough here
+        found = processor.fetch_dispute(dispute_id)
+        said = apply_dispute_news(
+            processor="paypal", account=account, reference=found.id, event=import_event("paypal", found.id),
+            payment_references=found.captures, status=paypal_dispute_status(found), reason=found.reason,
+            amount_minor=found.amount.amount_minor if found.amount else None,
+            currency=found.amount.currency if found.amount else "", evidence_due_by=found.respond_by)
+        tally.disputes += not said.startswith(f"dispute {found.id}: no payment")
+
+
 # -- the command --------------------------------------------------------------------------------------
 
 class Command(BaseCommand):
@@ -172,10 +247,12 @@ class Command(BaseCommand):
             "refunds and disputes. Safe to run again.")
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("--gateway", required=True, choices=["stripe"])
+        parser.add_argument("--gateway", required=True, choices=["stripe", "paypal"])
         parser.add_argument("--account", default="default", help="a configured account of the gateway")
-        parser.add_argument("--since", type=date.fromisoformat, help="only payments created on or after (UTC)")
-        parser.add_argument("--page-size", type=int, default=100, choices=range(1, 101), metavar="1..100")
+        parser.add_argument("--since", type=date.fromisoformat,
+                            help="only payments created on or after (UTC); PayPal: three years back unless given")
+        parser.add_argument("--page-size", type=int, default=100, choices=range(1, 501), metavar="1..500",
+                            help="Stripe takes at most 100, PayPal 500")
         parser.add_argument("--starting-after", default=None, metavar="pi_…",
                             help="Stripe: continue after this payment intent (an import that stopped names it)")
 
@@ -185,38 +262,79 @@ class Command(BaseCommand):
             processor = get_processor(gateway, account)
         except (UnknownProcessor, KeyError) as missing:
             raise CommandError(f"{gateway} account {account!r} is not configured: {missing}") from None
-        assert isinstance(processor, StripeProcessor)
-        created_gte = int(datetime.combine(since, time.min, tzinfo=timezone.utc).timestamp()) if since else None
-        tally, last = Tally(), starting_after
-        bar = tqdm(unit=" payment intents", file=getattr(self.stderr, "_out", self.stderr), dynamic_ncols=True)
+        tally = Tally()
+        unit = " payment intents" if gateway == "stripe" else " transactions"
+        bar = tqdm(unit=unit, file=getattr(self.stderr, "_out", self.stderr), dynamic_ncols=True)
+
+        def progress(n: int = 1) -> None:
+            tally.seen += n
+            bar.update(n)
+            bar.set_postfix(created=tally.created, present=tally.present, skipped=tally.skipped,
+                            refunds=tally.refunds, disputes=tally.disputes, refresh=False)
+
         try:
-            for intent in processor.list_payment_intents(created_gte=created_gte, limit=page_size,
-                                                         starting_after=starting_after):
-                import_stripe_intent(processor, intent, account=account, tally=tally)
-                tally.seen, last = tally.seen + 1, intent.id
-                bar.update(1)
-                bar.set_postfix(created=tally.created, present=tally.present, skipped=tally.skipped,
-                                refunds=tally.refunds, disputes=tally.disputes, refresh=False)
+            if isinstance(processor, StripeProcessor):
+                self._import_stripe(processor, account=account, since=since, page_size=min(page_size, 100),
+                                    starting_after=starting_after, tally=tally, progress=progress)
+            else:
+                assert isinstance(processor, PayPalProcessor)
+                self._import_paypal(processor, account=account, since=since, page_size=page_size, tally=tally,
+                                    progress=progress)
         except ProcessorError as failure:
-            raise CommandError(self._stopped(gateway, failure, tally, resume=last)) from None
+            raise CommandError(self._stopped(gateway, failure, tally, resume=self.resume)) from None
         finally:
             bar.close()
             record_audit(actor=ACTOR, action="payments.imported", subject_type="gateway",
                          subject_id=f"{gateway}:{account}",
                          data={**vars(tally), "since": since.isoformat() if since else None})
+        made = "created" if gateway == "stripe" else "payments created"
         self.stdout.write(
-            f"{tally.seen} payment intents: {tally.created} created, {tally.present} already here, "
+            f"{tally.seen}{unit}: {tally.created} {made}, {tally.present} already here, "
             f"{tally.skipped} skipped (no money taken, or an unsupported currency); "
             f"{_plural(tally.refunds, 'refund')} made on {gateway} recorded, "
             f"{_plural(tally.disputes, 'dispute')} recorded")
 
+    resume: str | None = None  # how to continue, once something is done
+
+    def _import_stripe(self, processor: StripeProcessor, *, account: str, since: date | None, page_size: int,
+                       starting_after: str | None, tally: Tally, progress: Callable[[], None]) -> None:
+        created_gte = int(datetime.combine(since, time.min, tzinfo=timezone.utc).timestamp()) if since else None
+        self.resume = f"--starting-after {starting_after}" if starting_after else None
+        for intent in processor.list_payment_intents(created_gte=created_gte, limit=page_size,
+                                                     starting_after=starting_after):
+            import_stripe_intent(processor, intent, account=account, tally=tally)
+            self.resume = f"--starting-after {intent.id}"
+            progress()
+
+    def _import_paypal(self, processor: PayPalProcessor, *, account: str, since: date | None, page_size: int,
+                       tally: Tally, progress: Callable[[], None]) -> None:
+        now = datetime.now(timezone.utc).replace(microsecond=0)
+        start = datetime.combine(since, time.min, tzinfo=timezone.utc) if since else now - PAYPAL_HISTORY
+        for window_start, window_end in paypal_windows(start, now):
+            self.resume = f"--since {window_start.date().isoformat()}"
+            page, pages = 1, 1
+            while page <= pages:
+                found = processor.search_transactions(start=window_start, end=window_end, page=page,
+                                                      page_size=page_size)
+                pages = found.total_pages
+                for txn in found.transactions:
+                    if txn.event_code.startswith("T00"):  # a payment received
+                        import_paypal_capture(txn, account=account, tally=tally)
+                    elif txn.event_code == "T1107":  # a refund the merchant made
+                        import_paypal_refund(txn, account=account, tally=tally)
+                    progress()
+                page += 1
+        self.resume = f"--since {max(start, now - PAYPAL_DISPUTE_HISTORY).date().isoformat()}"
+        import_paypal_disputes(processor, account=account, since=max(start, now - PAYPAL_DISPUTE_HISTORY),
+                               tally=tally)
+
     @staticmethod
     def _stopped(gateway: str, failure: ProcessorError, tally: Tally, *, resume: str | None) -> str:
-        done = f"{tally.seen} payment intents were imported before it"
+        done = f"{tally.seen} were read before it"
         said = f"({failure.code}) {failure.message}"
         if isinstance(failure, ProcessorDeclined):
             return f"{gateway} refused {said}. Retrying will not change that answer; {done}."
-        way_on = f"; to skip what is done, add --starting-after {resume}" if resume else ""
+        way_on = f"; to skip what is done, add {resume}" if resume else ""
         return (f"{gateway} stopped answering {said}; {done}. It may be back soon: run again to continue "
                 f"(nothing is imported twice){way_on}.")
 
