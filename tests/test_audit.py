@@ -1,90 +1,15 @@
-"""The audit log's hash chain (``manage.py verify_audit``), the verdict page, and the charts."""
+"""The verdict's checks table and the charts (the audit chain: tests/test_audit_chain.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 
 import pytest
-from django.core.management import CommandError, ManagementUtility, call_command
-from django.db import connection
 
 from audit import charts
 from audit.admin import checks_table
-from audit.models import AuditEntry
-from audit.services import record_audit
 
 pytestmark = pytest.mark.django_db
-
-
-def write_chain(n: int) -> list[AuditEntry]:
-    return [record_audit(actor="user:alice", action="refund.approved", subject_type="refund",
-                         subject_id=f"rf_{i}", data={"amount_minor": 100 * i, "currency": "USD"})
-            for i in range(1, n + 1)]
-
-
-def verify(*args: str) -> tuple[str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    call_command("verify_audit", *args, stdout=out, stderr=err)
-    return out.getvalue(), err.getvalue()
-
-
-def test_a_clean_chain_verifies_and_says_how_many_entries_it_checked():
-    write_chain(5)
-    out, _ = verify()
-    assert out.strip() == "5 audit entries checked; the chain verifies."
-
-
-def test_an_empty_log_verifies():
-    out, _ = verify()
-    assert out.startswith("0 audit entries checked")
-
-
-def test_long_chains_report_progress_on_stderr():
-    write_chain(7)
-    out, err = verify("--progress-every", "3")
-    assert err.splitlines() == ["… 3 entries verified", "… 6 entries verified"]
-    assert out.startswith("7 audit entries checked")
-
-
-def test_an_entry_altered_with_raw_sql_is_named():
-    entries = write_chain(5)
-    with connection.cursor() as cursor:
-        cursor.execute("UPDATE audit_auditentry SET data = %s WHERE id = %s",
-                       ['{"amount_minor": 1, "currency": "USD"}', entries[2].pk])
-    with pytest.raises(CommandError, match=r"audit entry #3 \(id \d+, refund.approved refund:rf_3\) does not "
-                                           r"verify: entry #3 was altered after it was written; 2 entries"):
-        verify()
-
-
-def test_an_altered_actor_is_caught_even_when_the_attacker_recomputes_that_entrys_hash():
-    entries = write_chain(4)
-    forged = AuditEntry.objects.get(pk=entries[1].pk)
-    forged.actor = "user:mallory"
-    with connection.cursor() as cursor:
-        cursor.execute("UPDATE audit_auditentry SET actor = %s, hash = %s WHERE id = %s",
-                       [forged.actor, forged.compute_hash(), forged.pk])
-    with pytest.raises(CommandError, match=r"audit entry #3 .* does not link to the entry before it"):
-        verify()
-
-
-def test_an_entry_deleted_with_raw_sql_is_named_by_the_entry_after_the_gap():
-    entries = write_chain(5)
-    with connection.cursor() as cursor:
-        cursor.execute("DELETE FROM audit_auditentry WHERE id = %s", [entries[1].pk])
-    with pytest.raises(CommandError, match=r"audit entry #3 .* entry #3 follows #1: an entry is missing"):
-        verify()
-
-
-def test_verify_audit_exits_non_zero_from_the_command_line():
-    write_chain(2)
-    with connection.cursor() as cursor:
-        cursor.execute("UPDATE audit_auditentry SET action = 'refund.rejected' WHERE seq = 1")
-    err = io.StringIO()
-    with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(err):
-        ManagementUtility(["manage.py", "verify_audit"]).execute()
-    assert exited.value.code != 0 and "audit entry #1" in err.getvalue()
 
 
 def test_the_checks_table_escapes_what_an_agent_sent():

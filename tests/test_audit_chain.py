@@ -1,0 +1,378 @@
+"""The audit chain: keyed, sealed off the request's lock path, refused edits by PostgreSQL, checked
+against a head kept outside the database (``manage.py audit_head`` / ``verify_audit --head``).
+
+An attacker here is a database writer without AUDIT_KEY: one with the table owner's or a superuser's
+rights, who can switch the triggers off for a session (``as_table_owner``) and rewrite rows."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from django.conf import settings
+from django.core.management import CommandError, ManagementUtility, call_command
+from django.db import DatabaseError, connection, transaction
+from django.test import override_settings
+
+from audit import chain
+from audit.models import AuditEntry, Verdict
+from audit.services import record_audit
+from refundops.services.agents import revoke_key
+from tests.conftest import make_agent_key, race
+
+pytestmark = pytest.mark.django_db
+
+
+def write(n: int, *, start: int = 1) -> list[AuditEntry]:
+    return [record_audit(actor="user:alice", action="refund.approved", subject_type="refund",
+                         subject_id=f"rf_{i}", data={"amount_minor": 100 * i, "currency": "USD"})
+            for i in range(start, start + n)]
+
+
+def write_sealed(n: int) -> list[AuditEntry]:
+    entries = write(n)
+    assert chain.seal_pending() == n
+    return list(AuditEntry.objects.filter(pk__in=[e.pk for e in entries]).order_by("seq"))
+
+
+def verify(*args: str) -> tuple[str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    call_command("verify_audit", *args, stdout=out, stderr=err)
+    return out.getvalue(), err.getvalue()
+
+
+def head() -> str:
+    out = io.StringIO()
+    call_command("audit_head", stdout=out)
+    return out.getvalue().strip()
+
+
+@contextlib.contextmanager
+def as_table_owner() -> Iterator[None]:
+    """What the table's owner or a superuser can do: switch ordinary triggers off for the session."""
+    with connection.cursor() as cursor:
+        cursor.execute("SET session_replication_role = replica")
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SET session_replication_role = DEFAULT")
+
+
+def sql(statement: str, params: list | None = None) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(statement, params or [])
+
+
+def refused(statement: str, params: list | None = None) -> str:
+    """Run ``statement`` in a savepoint; return PostgreSQL's refusal (the test fails if it is accepted)."""
+    with pytest.raises(DatabaseError) as caught, transaction.atomic():
+        sql(statement, params)
+    return str(caught.value)
+
+
+# The chain as written, sealed and verified
+
+def test_a_clean_chain_verifies_and_says_how_many_entries_it_checked():
+    write_sealed(5)
+    out, _ = verify()
+    assert out.splitlines()[0] == "5 audit entries checked; the chain verifies."
+
+
+def test_an_empty_log_verifies():
+    out, _ = verify()
+    assert out.startswith("0 audit entries checked")
+
+
+def test_long_chains_report_progress_on_stderr():
+    write_sealed(7)
+    out, err = verify("--progress-every", "3")
+    assert [line for line in err.splitlines() if line.startswith("…")] == [
+        "… 3 entries verified", "… 6 entries verified"]
+    assert out.startswith("7 audit entries checked")
+
+
+def test_an_append_takes_no_lock_and_leaves_the_entry_for_the_sealer():
+    entry = record_audit(actor="user:alice", action="key.revoked", subject_type="agent_key", subject_id="rk_1")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()")
+        assert cursor.fetchone()[0] == 0
+    entry.refresh_from_db()
+    assert entry.seq is None and entry.hash == "" and entry.mac
+    assert chain.seal_pending() == 1
+    entry.refresh_from_db()
+    assert (entry.seq, entry.prev_hash) == (1, chain.GENESIS) and entry.sealed_at is not None
+
+
+def test_the_sealer_links_each_entry_to_the_one_before_in_the_order_they_were_written():
+    first = write_sealed(2)
+    later = write(2, start=3)
+    assert chain.seal_pending() == 2
+    entries = list(AuditEntry.objects.order_by("seq"))
+    assert [e.seq for e in entries] == [1, 2, 3, 4]
+    assert [e.pk for e in entries] == [first[0].pk, first[1].pk, later[0].pk, later[1].pk]
+    assert [e.prev_hash for e in entries[1:]] == [e.hash for e in entries[:-1]]
+
+
+def test_entries_are_keyed_a_chain_checked_with_another_key_fails():
+    write_sealed(2)
+    with override_settings(AUDIT_KEY="not the key the chain was sealed with"), \
+            pytest.raises(CommandError, match=r"audit entry #1 .* was altered after it was written"):
+        verify()
+
+
+# Tampering by a database writer without the key
+
+def test_an_entry_altered_with_raw_sql_is_named():
+    entries = write_sealed(5)
+    with as_table_owner():
+        sql("UPDATE audit_auditentry SET data = %s WHERE id = %s",
+            ['{"amount_minor": 1, "currency": "USD"}', entries[2].pk])
+    with pytest.raises(CommandError, match=r"audit entry #3 \(id \d+, refund.approved refund:rf_3\) does not "
+                                           r"verify: entry #3 was altered after it was written; 2 entries"):
+        verify()
+
+
+def test_an_edit_rehashed_forward_without_the_key_is_caught_at_the_edited_entry():
+    entries = write_sealed(5)
+    forger = override_settings(AUDIT_KEY="the attacker's best guess")
+    with as_table_owner(), forger:  # re-mac the edit, then re-link every entry after it
+        prev = entries[0].hash
+        for entry in AuditEntry.objects.filter(seq__gte=2).order_by("seq"):
+            if entry.seq == 2:
+                entry.actor = "user:mallory"
+                entry.mac = chain.entry_mac(entry)
+            entry.prev_hash = prev
+            entry.hash = chain.link_hash(entry)
+            prev = entry.hash
+            sql("UPDATE audit_auditentry SET actor = %s, mac = %s, prev_hash = %s, hash = %s WHERE id = %s",
+                [entry.actor, entry.mac, entry.prev_hash, entry.hash, entry.pk])
+    with pytest.raises(CommandError, match=r"audit entry #2 .* was altered after it was written"):
+        verify()
+
+
+def test_an_entry_deleted_from_the_middle_is_named_by_the_entry_after_the_gap():
+    entries = write_sealed(5)
+    with as_table_owner():
+        sql("DELETE FROM audit_auditentry WHERE id = %s", [entries[1].pk])
+    with pytest.raises(CommandError, match=r"audit entry #3 .* entry #3 follows #1: an entry is missing"):
+        verify()
+
+
+def test_a_deleted_tail_is_caught_against_the_exported_head():
+    write_sealed(5)
+    kept = head()
+    assert kept.startswith("5:")
+    with as_table_owner():
+        sql("DELETE FROM audit_auditentry WHERE seq > 3")
+    verify()  # without the head, a shorter chain looks whole: that is why the head is kept outside
+    with pytest.raises(CommandError, match=r"the chain ends at #3 but the head kept outside the database is "
+                                           r"#5: entries #4 to #5 are missing"):
+        verify("--head", kept)
+
+
+def test_deleting_every_entry_is_caught_against_the_exported_head():
+    write_sealed(3)
+    kept = head()
+    with as_table_owner():
+        sql("TRUNCATE audit_auditentry")
+    with pytest.raises(CommandError, match=r"the chain ends at #0 but the head kept outside the database is #3"):
+        verify("--head", kept)
+
+
+def test_reordered_entries_are_caught():
+    entries = write_sealed(4)
+    with as_table_owner():  # swap #2 and #3, links and all
+        sql("UPDATE audit_auditentry SET seq = -seq WHERE id IN (%s, %s)", [entries[1].pk, entries[2].pk])
+        sql("UPDATE audit_auditentry SET seq = 3, prev_hash = %s, hash = %s WHERE id = %s",
+            [entries[2].hash, entries[3].prev_hash, entries[1].pk])
+        sql("UPDATE audit_auditentry SET seq = 2, prev_hash = %s, hash = %s WHERE id = %s",
+            [entries[0].hash, entries[1].hash, entries[2].pk])
+    with pytest.raises(CommandError, match=r"audit entry #2 \(id \d+, refund.approved refund:rf_3\) does not verify"):
+        verify()
+
+
+def test_an_entry_forged_without_the_key_is_never_sealed_and_is_named():
+    write_sealed(1)
+    with as_table_owner():
+        sql("INSERT INTO audit_auditentry (uid, created_at, actor, action, subject_type, subject_id, data, "
+            "records, mac, prev_hash, hash) VALUES (gen_random_uuid(), now(), 'user:mallory', 'refund.approved', "
+            "'refund', 'rf_x', '{}', '[]', repeat('0', 64), '', '')")
+    write(1, start=2)
+    assert chain.seal_pending() == 1  # the genuine one; the forgery stays out of the chain
+    assert list(AuditEntry.objects.filter(seq__isnull=False).values_list("seq", "subject_id")) == [
+        (2, "rf_2"), (1, "rf_1")]
+    with pytest.raises(CommandError, match=r"audit entry \(unsealed, id \d+, refund.approved refund:rf_x\) does "
+                                           r"not verify: it was altered or forged before it was sealed"):
+        verify()
+
+
+def test_an_edited_verdict_is_caught_by_the_entry_that_records_it():
+    write_sealed(1)
+    verdict = Verdict.objects.create(operation="refund.create", outcome=Verdict.Outcome.HELD,
+                                     amount_minor=900_000, currency="USD", hold_reasons=["APPROVAL_REQUIRED"])
+    entry = record_audit(actor="agent:ag_1", action="refund.held", subject_type="refund", subject_id="rf_9",
+                         data={"verdict_id": verdict.id})
+    assert entry.records == [{"model": "audit.verdict", "pk": verdict.id, "digest": chain.row_digest(verdict)}]
+    chain.seal_pending()
+    verify()
+    # What the worker writes after the decision is not part of it.
+    Verdict.objects.filter(pk=verdict.pk).update(gateway_response={"status": "succeeded"})
+    verify()
+    Verdict.objects.filter(pk=verdict.pk).update(outcome=Verdict.Outcome.APPROVED, hold_reasons=[])
+    with pytest.raises(CommandError, match=rf"audit entry #2 .* does not verify: the verdict {verdict.id} it "
+                                           rf"records was altered"):
+        verify()
+    Verdict.objects.filter(pk=verdict.pk).delete()
+    with pytest.raises(CommandError, match=rf"the verdict {verdict.id} it records is missing"):
+        verify()
+
+
+def test_an_edited_history_row_is_caught_by_the_entry_that_records_it():
+    key, _ = make_agent_key()
+    revoke_key(prefix=key.prefix, actor="user:root")
+    entry = AuditEntry.objects.get(action="key.revoked")
+    history = key.history.latest()
+    assert {"model": "refundops.historicalagentkey", "pk": history.pk,
+            "digest": chain.row_digest(history)} in entry.records
+    chain.seal_pending()
+    verify()
+    type(history).objects.filter(pk=history.pk).update(revoked_at=None)
+    with pytest.raises(CommandError, match=rf"the historical agent key {history.pk} it records was altered"):
+        verify()
+
+
+def test_an_entry_altered_before_it_was_sealed_is_left_out_and_named():
+    entries = write(2)
+    with as_table_owner():
+        sql("UPDATE audit_auditentry SET actor = 'user:mallory' WHERE id = %s", [entries[0].pk])
+    assert chain.seal_pending() == 1
+    with pytest.raises(CommandError, match=r"audit entry \(unsealed, id \d+, .*rf_1\) does not verify: it was "
+                                           r"altered or forged before it was sealed"):
+        verify()
+
+
+def test_entries_left_unsealed_too_long_fail_verification(settings):
+    write_sealed(1)
+    write(2, start=2)
+    out, _ = verify()
+    assert "2 entries wait to be sealed" in out
+    settings.AUDIT_SEAL_GRACE_SECONDS = 0
+    with pytest.raises(CommandError, match=r"audit entry \(unsealed, id \d+, refund.approved refund:rf_2\) does "
+                                           r"not verify: 2 entries not sealed within 0 s of being written"):
+        verify()
+
+
+# PostgreSQL itself refuses
+
+def test_postgresql_refuses_update_delete_and_truncate_on_the_audit_table():
+    sealed = write_sealed(1)[0]
+    pending = write(1, start=2)[0]
+    assert "append-only" in refused("UPDATE audit_auditentry SET actor = 'user:mallory' WHERE id = %s", [sealed.pk])
+    assert "append-only" in refused("UPDATE audit_auditentry SET seq = 9, hash = 'x' WHERE id = %s", [sealed.pk])
+    assert "append-only" in refused("UPDATE audit_auditentry SET actor = 'user:mallory' WHERE id = %s",
+                                    [pending.pk])
+    assert "append-only" in refused("DELETE FROM audit_auditentry WHERE id = %s", [pending.pk])
+    assert "append-only" in refused("DELETE FROM audit_auditentry")
+    assert "append-only" in refused("TRUNCATE audit_auditentry")
+    assert AuditEntry.objects.count() == 2
+    with pytest.raises(ValueError, match="append-only"):
+        sealed.delete()
+
+
+# Concurrency: many writers, racing sealers, one gapless chain
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_appends_from_many_threads_seal_into_one_gapless_chain(settings):
+    settings.AUDIT_SEAL_NUDGE_SECONDS = 3600  # the sealers below, not the nudge, do the sealing
+    threads, per_thread = 12, 5
+
+    def work(i: int) -> None:
+        for j in range(per_thread):
+            with transaction.atomic():
+                record_audit(actor=f"agent:ag_{i}", action="refund.approved", subject_type="refund",
+                             subject_id=f"rf_{i}_{j}")
+            if j % 2:
+                chain.seal_pending()
+
+    race(threads, work)
+    chain.seal_pending()
+    entries = list(AuditEntry.objects.order_by("seq"))
+    assert len(entries) == threads * per_thread
+    assert [e.seq for e in entries] == list(range(1, threads * per_thread + 1))
+    assert len({e.subject_id for e in entries}) == threads * per_thread
+    out, _ = verify("--head", head())
+    assert out.startswith(f"{threads * per_thread} audit entries checked; the chain verifies")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_committed_entry_is_sealed_shortly_after_by_the_nudge(settings):
+    settings.AUDIT_SEAL_NUDGE_SECONDS = 0  # every commit nudges (Celery runs eagerly in tests)
+    with transaction.atomic():
+        entry = record_audit(actor="user:alice", action="killswitch.on", subject_type="platform", subject_id="1")
+        assert AuditEntry.objects.get(pk=entry.pk).seq is None
+    assert AuditEntry.objects.get(pk=entry.pk).seq == 1
+
+
+# The head kept outside the database
+
+def test_verify_audit_checks_against_an_exported_head_given_inline_or_in_a_file(tmp_path):
+    write_sealed(3)
+    kept = head()
+    seq, digest = kept.split(":")
+    assert seq == "3" and len(digest) == 64
+    (tmp_path / "head").write_text(kept + "\n")
+    assert verify("--head", kept)[0].startswith("3 audit entries checked; the chain verifies")
+    write(2, start=4)
+    chain.seal_pending()
+    out, _ = verify("--head-file", str(tmp_path / "head"))
+    assert out.startswith("5 audit entries checked; the chain verifies") and "head #3 matches" in out
+    with pytest.raises(CommandError, match=r"entry #3 does not match the head kept outside the database"):
+        verify("--head", f"3:{'0' * 64}")
+    with pytest.raises(CommandError, match=r"--head: expected SEQ:HASH"):
+        verify("--head", "nonsense")
+
+
+def test_audit_head_seals_what_is_committed_before_it_prints():
+    write(2)
+    assert head() == f"2:{AuditEntry.objects.get(seq=2).hash}"
+
+
+def test_an_empty_chains_head_is_zero_and_genesis():
+    assert head() == f"0:{chain.GENESIS}"
+
+
+def test_verify_audit_exits_non_zero_from_the_command_line():
+    write_sealed(2)
+    with as_table_owner():
+        sql("UPDATE audit_auditentry SET action = 'refund.rejected' WHERE seq = 1")
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(err):
+        ManagementUtility(["manage.py", "verify_audit"]).execute()
+    assert exited.value.code != 0 and "audit entry #1" in err.getvalue()
+
+
+# The key comes from the environment
+
+def test_production_mode_refuses_to_start_without_an_audit_key():
+    env = {"PATH": "/usr/bin:/bin", "REFUNDOPS_ENV": "production", "DJANGO_SECRET_KEY": "x" * 60,
+           "DJANGO_SETTINGS_MODULE": "refundops.settings"}
+    started = subprocess.run([sys.executable, "-c", "import django; django.setup()"], env=env,
+                             cwd=settings.BASE_DIR, capture_output=True, text=True)
+    assert started.returncode != 0 and "AUDIT_KEY" in started.stderr
+    started = subprocess.run([sys.executable, "-c", "import django; django.setup()"],
+                             env={**env, "AUDIT_KEY": "k" * 40}, cwd=settings.BASE_DIR,
+                             capture_output=True, text=True)
+    assert "AUDIT_KEY" not in started.stderr
+
+
+def test_the_unsealed_grace_is_measured_from_when_the_entry_was_written(settings):
+    entry = write(1)[0]
+    settings.AUDIT_SEAL_GRACE_SECONDS = 60
+    assert chain.overdue(now=entry.created_at + timedelta(seconds=59)) == []
+    assert [e.pk for e in chain.overdue(now=entry.created_at + timedelta(seconds=61))] == [entry.pk]
