@@ -59,7 +59,8 @@ def approve_refund(*, refund_id: str, approver, note: str = "") -> Refund:
     refund.save()
     record_audit(actor=Caller.for_user(approver).label, action="refund.approved", subject_type="refund",
                  subject_id=refund.pk, data={"note": note, "hold_reasons": refund.hold_reasons,
-                                             "amount_minor": refund.amount_minor, "currency": refund.currency})
+                                             "amount_minor": refund.amount_minor, "currency": refund.currency},
+                 records=[refund.history.latest()])
     enqueue_submission(refund.pk, processor=refund.payment.processor)
     return refund
 
@@ -75,7 +76,7 @@ def reject_refund(*, refund_id: str, approver, note: str = "") -> Refund:
     refund.save()
     sync_payment_amounts(refund.payment)
     record_audit(actor=Caller.for_user(approver).label, action="refund.rejected", subject_type="refund",
-                 subject_id=refund.pk, data={"note": note})
+                 subject_id=refund.pk, data={"note": note}, records=[refund.history.latest()])
     return refund
 
 
@@ -98,7 +99,8 @@ def resubmit_refund(*, refund_id: str, approver, note: str = "") -> Refund:
     refund.save()
     sync_payment_amounts(refund.payment)
     record_audit(actor=Caller.for_user(approver).label, action="refund.resubmitted", subject_type="refund",
-                 subject_id=refund.pk, data={"note": note, "attempt": refund.submit_attempts})
+                 subject_id=refund.pk, data={"note": note, "attempt": refund.submit_attempts},
+                 records=[refund.history.latest()])
     enqueue_submission(refund.pk, processor=refund.payment.processor)
     return refund
 
@@ -117,6 +119,7 @@ def expire_held_refunds(*, now=None) -> int:
             refund._change_reason = f"no decision within {settings.HELD_REFUND_EXPIRY_HOURS}h"
             refund.save()
             sync_payment_amounts(refund.payment)
-            record_audit(actor="system:expiry", action="refund.expired", subject_type="refund", subject_id=refund.pk)
+            record_audit(actor="system:expiry", action="refund.expired", subject_type="refund", subject_id=refund.pk,
+                         records=[refund.history.latest()])
             expired += 1
     return expired

@@ -169,7 +169,7 @@ class AuditEntryAdmin(ReadOnlyAdmin):
     date_hierarchy = "created_at"
     show_full_result_count = False
     fields = ["seq", "created_at", "actor", "action", "subject_type", "subject_id", "data_rendered",
-              "prev_hash", "hash"]
+              "records_rendered", "uid", "mac", "sealed_at", "prev_hash", "hash"]
 
     def get_actions(self, request):
         return {}  # not even "delete selected": the log is append-only
@@ -182,3 +182,7 @@ class AuditEntryAdmin(ReadOnlyAdmin):
     @admin.display(description="data")
     def data_rendered(self, obj: AuditEntry) -> SafeString:
         return mapping_table(obj.data)
+
+    @admin.display(description="records")
+    def records_rendered(self, obj: AuditEntry) -> SafeString:
+        return json_block(obj.records)

@@ -1,9 +1,8 @@
-"""What auditors read: one verdict per agent call, and a hash-chained append-only log."""
+"""What auditors read: one verdict per agent call, and a keyed, hash-chained append-only log."""
 
 from __future__ import annotations
 
-import hashlib
-import json
+import uuid
 
 from django.db import models
 
@@ -48,6 +47,10 @@ class Verdict(models.Model):
     policy_version = models.CharField(max_length=40, blank=True)  # "limits v3 / rules v2"
     gateway_response = models.JSONField(default=dict, blank=True)
 
+    # Written by the worker after the decision, so left out of the digest an audit entry keeps of
+    # the verdict; the entry recording that write carries the response in its own data.
+    UNSEALED_FIELDS = ("gateway_response",)
+
     class Meta:
         ordering = ["-created_at"]
         indexes = [models.Index(fields=["outcome", "created_at"])]
@@ -57,33 +60,34 @@ class Verdict(models.Model):
 
 
 class AuditEntry(models.Model):
-    """Append-only; each entry's hash covers its content and the previous entry's hash, so an
-    edited or deleted row breaks the chain (``manage.py verify_audit``)."""
+    """One audited act. A request appends it with a keyed MAC over its content and the rows it
+    records (``mac``), taking no lock; the sealer (``audit.chain``) later gives it its place in the
+    chain (``seq``) and links it to the entry before (``prev_hash``, ``hash``). PostgreSQL refuses
+    every other UPDATE, and every DELETE and TRUNCATE (migration 0002)."""
 
-    seq = models.BigIntegerField(unique=True)
+    uid = models.UUIDField(unique=True, default=uuid.uuid4, editable=False)  # under the MAC: no replayed copy
+    seq = models.BigIntegerField(unique=True, null=True, blank=True)  # None until sealed
     created_at = models.DateTimeField()
     actor = models.CharField(max_length=200)  # "agent:ag_… (key rk_1234…)", "user:alice", "system:worker"
     action = models.CharField(max_length=60, db_index=True)  # "refund.approved", "key.revoked", …
     subject_type = models.CharField(max_length=40)
     subject_id = models.CharField(max_length=60, db_index=True)
     data = models.JSONField(default=dict, blank=True)
-    prev_hash = models.CharField(max_length=64)
-    hash = models.CharField(max_length=64)
+    # The verdicts and history rows this entry records: [{"model", "pk", "digest"}].
+    records = models.JSONField(default=list, blank=True)
+    mac = models.CharField(max_length=64)
+    prev_hash = models.CharField(max_length=64, blank=True)
+    hash = models.CharField(max_length=64, blank=True)
+    sealed_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        ordering = ["-seq"]
+        ordering = ["-id"]
         verbose_name_plural = "audit entries"
+        indexes = [models.Index(fields=["id"], condition=models.Q(seq__isnull=True), name="audit_entry_unsealed")]
 
     def __str__(self) -> str:
-        return f"#{self.seq} {self.action} {self.subject_type}:{self.subject_id}"
-
-    def compute_hash(self) -> str:
-        body = json.dumps(
-            {"seq": self.seq, "created_at": self.created_at.isoformat(), "actor": self.actor,
-             "action": self.action, "subject_type": self.subject_type, "subject_id": self.subject_id,
-             "data": self.data, "prev_hash": self.prev_hash},
-            sort_keys=True, separators=(",", ":"), default=str)
-        return hashlib.sha256(body.encode()).hexdigest()
+        place = f"#{self.seq}" if self.seq is not None else "(unsealed)"
+        return f"{place} {self.action} {self.subject_type}:{self.subject_id}"
 
     def save(self, *args, **kwargs):
         if self.pk is not None:

@@ -10,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -121,7 +122,18 @@ CELERY_BEAT_SCHEDULE = {
                             "schedule": timedelta(minutes=15)},
     "expire-payment-links": {"task": "refundops.tasks.expire_payment_links",
                              "schedule": timedelta(minutes=15)},
+    "seal-audit-log": {"task": "audit.tasks.seal_audit_log",
+                       "schedule": timedelta(seconds=env.int("AUDIT_SEAL_INTERVAL_SECONDS", default=2))},
 }
+
+# The audit chain (audit/chain.py) is keyed with AUDIT_KEY, which never enters the database: keep
+# it in the environment of the web, worker and beat processes and of whoever runs verify_audit.
+AUDIT_KEY = env("AUDIT_KEY", default="")
+if env("REFUNDOPS_ENV", default="") == "production" and len(AUDIT_KEY) < 32:
+    raise ImproperlyConfigured("Production mode needs AUDIT_KEY (at least 32 random characters) to key the "
+                               "audit chain; keep it outside the database.")
+AUDIT_KEY = AUDIT_KEY or "dev-only-audit-key-not-secret"
+AUDIT_SEAL_GRACE_SECONDS = env.int("AUDIT_SEAL_GRACE_SECONDS", default=300)  # verify_audit fails past this
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

@@ -48,7 +48,7 @@ def test_create_agent_stores_only_the_hash_and_the_key_works_once_shown():
     assert key.key_hash == hash_key(raw) and raw not in key.key_hash
     assert lookup(raw, make_payment()) == 200
     assert agent.history.first().history_user == staff  # simple_history names the acting user
-    actions = list(AuditEntry.objects.order_by("seq").values_list("action", "actor"))
+    actions = list(AuditEntry.objects.order_by("id").values_list("action", "actor"))
     assert actions == [("agent.created", "user:ops"), ("key.issued", "user:ops")]
 
 
@@ -128,7 +128,7 @@ def test_agents_off_refuses_every_key_until_on():
     assert PlatformState.current().changed_by.startswith("cli:")
     run("agents", "on")
     assert lookup(raw, payment) == 200
-    assert list(AuditEntry.objects.filter(action__startswith="agents.").order_by("seq")
+    assert list(AuditEntry.objects.filter(action__startswith="agents.").order_by("id")
                 .values_list("action", flat=True)) == ["agents.disabled", "agents.enabled"]
 
 

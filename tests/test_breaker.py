@@ -124,7 +124,7 @@ def test_half_open_opens_again_if_the_volume_is_still_abnormal(tuned, settings):
     record(11, at=later)
     assert breaker.status(now=later) == "open"
     assert breaker.status(now=later + timedelta(seconds=599)) == "open"
-    reopened = AuditEntry.objects.filter(action="breaker.opened").order_by("seq").last()
+    reopened = AuditEntry.objects.filter(action="breaker.opened").order_by("id").last()
     assert reopened.data["reopened"] is True
 
 

@@ -8,7 +8,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from audit.models import AuditEntry, Verdict
-from audit.services import verify_chain
+from audit.chain import verify_chain
 from refundops.models import IdempotencyRecord, Refund, RefundState
 from refundops.tasks import submit_refund
 from tests.conftest import make_payment, post
@@ -18,12 +18,12 @@ pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, a
 # The key (with the "all agents off" switch); BEGIN; the idempotency claim; the payment lock;
 # limits; hold rules; running totals; SAVEPOINT; the refund, its history and the merchant
 # endpoints, twice (requested, then approved); the payment's sums; the platform lock; running
-# totals again; RELEASE; the verdict; the audit lock, last entry and new entry; the stored
-# answer; COMMIT. The submission is routed by the payment's processor, without a query.
-APPROVED_REFUND_STATEMENTS = 24
+# totals again; RELEASE; the verdict; the audit entry (no lock: sealed after the commit); the
+# stored answer; COMMIT. The submission is routed by the payment's processor, without a query.
+APPROVED_REFUND_STATEMENTS = 22
 
 
-def test_an_approved_refund_takes_24_statements_and_keeps_every_invariant(api, policy, monkeypatch):
+def test_an_approved_refund_takes_22_statements_and_keeps_every_invariant(api, policy, monkeypatch):
     sent: list[dict] = []
     monkeypatch.setattr(submit_refund, "apply_async", lambda **options: sent.append(options))
     # The key's first use is stamped and the platform row made once; neither is the steady state.

@@ -448,7 +448,7 @@ def test_a_resolved_paypal_dispute_is_won_or_lost_as_paypal_says_now(web, gatewa
 
     payment.refresh_from_db()
     assert payment.dispute_status == expected and Dispute.objects.get(payment=payment).status == expected
-    assert [e.action for e in AuditEntry.objects.filter(subject_id=payment.pk).order_by("seq")] == [
+    assert [e.action for e in AuditEntry.objects.filter(subject_id=payment.pk).order_by("id")] == [
         "dispute.opened", f"dispute.{expected}"]
 
 
@@ -608,7 +608,7 @@ def test_a_sandbox_dispute_opens_and_closes_on_the_payment(web, gateways):
 
     payment.refresh_from_db()
     assert payment.dispute_status == Payment.Dispute.LOST
-    assert [e.action for e in AuditEntry.objects.filter(subject_id=payment.pk).order_by("seq")] == [
+    assert [e.action for e in AuditEntry.objects.filter(subject_id=payment.pk).order_by("id")] == [
         "dispute.opened", "dispute.lost"]
 
 

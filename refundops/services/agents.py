@@ -36,11 +36,13 @@ def actor_label(actor: Actor) -> str:
     return actor if isinstance(actor, str) else f"user:{actor.get_username()}"
 
 
-def _save_with_history(instance: Any, *, actor: Actor, reason: str, **save_kwargs: Any) -> None:
+def _save_with_history(instance: Any, *, actor: Actor, reason: str, **save_kwargs: Any) -> Any:
+    """Save ``instance``; return the history row it wrote, for the audit entry to record."""
     if not isinstance(actor, str):
         instance._history_user = actor  # simple_history records the acting user from this
     instance._change_reason = f"{reason} by {actor_label(actor)}"
     instance.save(**save_kwargs)
+    return instance.history.latest()
 
 
 def validate_capabilities(capabilities: Iterable[str]) -> list[str]:
@@ -77,11 +79,11 @@ def create_agent(*, name: str, owner: str = "", capabilities: Iterable[str], act
     agent = Agent(name=name, owner=owner, capabilities=granted)
     try:
         with transaction.atomic():
-            _save_with_history(agent, actor=actor, reason="agent created")
+            history = _save_with_history(agent, actor=actor, reason="agent created")
     except IntegrityError:
         raise AgentAccessError(f"An agent named {name!r} already exists.") from None
     record_audit(actor=actor_label(actor), action="agent.created", subject_type="agent", subject_id=agent.pk,
-                 data={"name": name, "owner": owner, "capabilities": granted})
+                 data={"name": name, "owner": owner, "capabilities": granted}, records=[history])
     raw = issue_key(agent=agent, expires_at=expires_at, actor=actor)
     return agent, raw
 
@@ -93,9 +95,10 @@ def issue_key(*, agent: Agent, expires_at: datetime | None = None, actor: Actor)
         raise AgentAccessError("A key's expiry must be in the future.")
     raw, prefix, digest = generate_key()
     key = AgentKey(agent=agent, prefix=prefix, key_hash=digest, expires_at=expires_at)
-    _save_with_history(key, actor=actor, reason="key issued")
+    history = _save_with_history(key, actor=actor, reason="key issued")
     record_audit(actor=actor_label(actor), action="key.issued", subject_type="agent_key", subject_id=prefix,
-                 data={"agent_id": agent.pk, "expires_at": expires_at.isoformat() if expires_at else None})
+                 data={"agent_id": agent.pk, "expires_at": expires_at.isoformat() if expires_at else None},
+                 records=[history])
     return raw
 
 
@@ -109,9 +112,9 @@ def revoke_key(*, prefix: str, actor: Actor) -> AgentKey:
                                f"characters, such as rk_AbCd1234.")
     if key.revoked_at is None:
         key.revoked_at = timezone.now()
-        _save_with_history(key, actor=actor, reason="key revoked")
+        history = _save_with_history(key, actor=actor, reason="key revoked")
         record_audit(actor=actor_label(actor), action="key.revoked", subject_type="agent_key",
-                     subject_id=key.prefix, data={"agent_id": key.agent_id})
+                     subject_id=key.prefix, data={"agent_id": key.agent_id}, records=[history])
     return key
 
 
@@ -123,9 +126,10 @@ def _set_capability(*, agent_name_or_id: str, capability: str, grant: bool, acto
         return agent
     agent.capabilities = validate_capabilities(held | {capability} if grant else held - {capability})
     verb = "granted" if grant else "revoked"
-    _save_with_history(agent, actor=actor, reason=f"capability {capability} {verb}")
+    history = _save_with_history(agent, actor=actor, reason=f"capability {capability} {verb}")
     record_audit(actor=actor_label(actor), action=f"capability.{verb}", subject_type="agent",
-                 subject_id=agent.pk, data={"capability": capability, "capabilities": agent.capabilities})
+                 subject_id=agent.pk, data={"capability": capability, "capabilities": agent.capabilities},
+                 records=[history])
     return agent
 
 
@@ -146,9 +150,10 @@ def set_agents_disabled(*, disabled: bool, actor: Actor) -> PlatformState:
     if state.agents_disabled != disabled:
         state.agents_disabled = disabled
         state.changed_by = actor_label(actor)
-        _save_with_history(state, actor=actor, reason=f"agents {'disabled' if disabled else 'enabled'}")
+        history = _save_with_history(state, actor=actor, reason=f"agents {'disabled' if disabled else 'enabled'}")
         record_audit(actor=actor_label(actor), action=f"agents.{'disabled' if disabled else 'enabled'}",
-                     subject_type="platform", subject_id="1", data={"agents_disabled": disabled})
+                     subject_type="platform", subject_id="1", data={"agents_disabled": disabled},
+                     records=[history])
     return state
 
 
@@ -159,7 +164,7 @@ def set_killswitch(*, on: bool, actor: Actor) -> PlatformState:
     if state.refunds_paused != on:
         state.refunds_paused = on
         state.changed_by = actor_label(actor)
-        _save_with_history(state, actor=actor, reason=f"kill switch {'on' if on else 'off'}")
+        history = _save_with_history(state, actor=actor, reason=f"kill switch {'on' if on else 'off'}")
         record_audit(actor=actor_label(actor), action=f"killswitch.{'on' if on else 'off'}",
-                     subject_type="platform", subject_id="1", data={"refunds_paused": on})
+                     subject_type="platform", subject_id="1", data={"refunds_paused": on}, records=[history])
     return state

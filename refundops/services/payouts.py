@@ -115,7 +115,7 @@ def cancel_if_disputed_since_approval(*, refund_id: str) -> Refund:
     record_audit(actor=WORKER, action="refund.canceled", subject_type="refund", subject_id=refund.pk,
                  data={"from": RefundState.APPROVED, "why": "payment disputed after automatic approval",
                        "processor_dispute_id": refund.payment.dispute_reference,
-                       "verdict_id": refund.verdict_id})
+                       "verdict_id": refund.verdict_id}, records=[refund.history.latest()])
     return refund
 
 
@@ -157,11 +157,12 @@ def record_gateway_result(*, refund_id: str, result: RefundResult) -> Refund:
         _save(refund, "gateway canceled the refund")
     if refund.status != before:
         sync_payment_amounts(refund.payment)
-        Verdict.objects.filter(pk=refund.verdict_id).update(gateway_response={
-            **asdict(result), "amount": asdict(result.amount)})
+        gateway_response = {**asdict(result), "amount": asdict(result.amount)}
+        Verdict.objects.filter(pk=refund.verdict_id).update(gateway_response=gateway_response)
         record_audit(actor=WORKER, action=f"refund.{refund.status}", subject_type="refund", subject_id=refund.pk,
                      data={"from": before, "processor_refund_id": result.processor_refund_id,
-                           "verdict_id": refund.verdict_id})
+                           "verdict_id": refund.verdict_id, "gateway": gateway_response},
+                     records=[refund.history.latest()])
     return refund
 
 
@@ -176,7 +177,8 @@ def record_gateway_failure(*, refund_id: str, code: str, message: str) -> Refund
     sync_payment_amounts(refund.payment)
     Verdict.objects.filter(pk=refund.verdict_id).update(gateway_response={"declined": code, "message": message})
     record_audit(actor=WORKER, action="refund.failed", subject_type="refund", subject_id=refund.pk,
-                 data={"from": before, "code": code, "message": message, "verdict_id": refund.verdict_id})
+                 data={"from": before, "code": code, "message": message, "verdict_id": refund.verdict_id},
+                 records=[refund.history.latest()])
     return refund
 
 

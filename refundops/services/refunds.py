@@ -156,7 +156,8 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
         record_audit(actor=caller.label, action=f"refund.{refund.status}", subject_type="refund",
                      subject_id=refund.pk, data={"verdict_id": verdict.id, "payment_id": payment.pk,
                                                  "amount_minor": refund.amount_minor,
-                                                 "currency": refund.currency, "code": decision.code})
+                                                 "currency": refund.currency, "code": decision.code},
+                     records=[verdict])
         if refund.status == RefundState.APPROVED:
             from refundops.tasks import enqueue_submission
             enqueue_submission(refund.pk, processor=payment.processor)
