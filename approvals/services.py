@@ -26,6 +26,8 @@ class ApprovalError(ApiError):
 def ensure_approval_authority(*, approver, refund: Refund) -> None:
     if not approver.has_perm("refundops.approve_refund"):
         raise ApprovalError("APPROVAL_NOT_AUTHORIZED", f"{approver.get_username()} may not decide held refunds.")
+    if refund.agent_id is None and refund.requested_by_id == approver.pk:
+        raise ApprovalError("APPROVAL_NOT_AUTHORIZED", "A person cannot decide a refund they asked for.")
     authority = ApprovalAuthority.objects.filter(user=approver, currency=refund.currency, is_active=True).first()
     if authority is None:
         raise ApprovalError("APPROVAL_NOT_AUTHORIZED",
@@ -35,8 +37,6 @@ def ensure_approval_authority(*, approver, refund: Refund) -> None:
                             f"{format_minor(refund.amount_minor, refund.currency)} is above "
                             f"{approver.get_username()}'s authority of "
                             f"{format_minor(authority.max_amount_minor, refund.currency)}.")
-    if refund.agent_id is None and refund.requested_by_id == approver.pk:
-        raise ApprovalError("APPROVAL_NOT_AUTHORIZED", "A person cannot approve a refund they asked for.")
 
 
 def _locked(refund_id: str) -> Refund:
@@ -69,8 +69,7 @@ def approve_refund(*, refund_id: str, approver, note: str = "") -> Refund:
 def reject_refund(*, refund_id: str, approver, note: str = "") -> Refund:
     refund = _locked(refund_id)
     _require_held(refund)
-    if not approver.has_perm("refundops.approve_refund"):
-        raise ApprovalError("APPROVAL_NOT_AUTHORIZED", f"{approver.get_username()} may not decide held refunds.")
+    ensure_approval_authority(approver=approver, refund=refund)  # saying no is a decision too
     refund.reject(message=note)
     refund._change_reason = f"rejected by {approver.get_username()}" + (f": {note}" if note else "")
     refund.save()

@@ -39,6 +39,14 @@ class Caller:
             return f"user:{self.user.get_username()}"
         return "system"
 
+    def refund_authority(self, currency: str) -> int | None:
+        """For a person: the largest refund they may approve in ``currency`` (0 with no authority),
+        so a refund they ask for above it waits for someone else. None for an agent or the system."""
+        if self.user is None:
+            return None
+        amounts = self.user.refund_authorities.filter(currency=currency, is_active=True)
+        return max(amounts.values_list("max_amount_minor", flat=True), default=0)
+
     def verdict_fields(self) -> dict[str, str]:
         return {
             "agent_id": self.agent.id if self.agent else "",

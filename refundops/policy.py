@@ -37,6 +37,9 @@ class RefundAsk:
     destination: str
     agent_id: str | None
     session_id: str
+    # A person asking (staff refund): the most they may approve in this currency. Above it, the
+    # refund is held for someone else. None for an agent.
+    requester_authority_minor: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class _Refused(Exception):
 
 def policy_version(limits: RefundLimits | None, rules: HoldRules | None) -> str:
     return (f"limits {limits.currency} v{limits.version}" if limits else "no limits") + \
-        (f" / rules v{rules.version}" if rules else " / no rules")
+        (f" / rules v{rules.version}" if rules else " / default rules")  # none saved: every hold on
 
 
 def evaluate_refund(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | None,
@@ -156,7 +159,8 @@ def evaluate_refund(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | 
         return Decision("denied", amount, code=c.code, message=c.message, checks=checks)
 
     hold_reasons = _hold_rules(checks, payment=payment, limits=limits, rules=rules, totals=totals,
-                               amount=amount, reason=ask.reason, now=now, money=money)
+                               amount=amount, reason=ask.reason, now=now, money=money,
+                               requester_authority=ask.requester_authority_minor)
     if hold_reasons:
         return Decision("held", amount, checks=checks, hold_reasons=hold_reasons,
                         message="Held for a person: " + ", ".join(hold_reasons) + ".")
@@ -203,7 +207,7 @@ def _check_running_totals(require, limits: RefundLimits, totals: Totals, amount:
 
 def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits | None,
                 rules: HoldRules | None, totals: Totals, amount: int, reason: str, now: datetime,
-                money) -> list[str]:
+                money, requester_authority: int | None) -> list[str]:
     fired: list[str] = []
 
     def rule(name: str, code: str, fires: bool, **detail: Any) -> None:
@@ -218,22 +222,27 @@ def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits |
         threshold = int(limits.reason_thresholds.get(reason, limits.approval_threshold_minor))
         rule("approval_threshold", "APPROVAL_REQUIRED", amount > threshold, limit=threshold, observed=amount,
              message=f"{money(amount)} is above the {money(threshold)} an agent may refund alone.")
-    if rules is not None:
-        if rules.hold_disputed:
-            rule("payment_disputed", "PAYMENT_DISPUTED", payment.is_disputed,
-                 observed=payment.dispute_status)
-        if rules.hold_flagged:
-            rule("payment_flagged", "PAYMENT_FLAGGED", bool(payment.fraud_flags), observed=payment.fraud_flags)
-        if rules.hold_recent_contact_change:
-            since = now - timedelta(days=rules.contact_change_days)
-            customer = payment.customer
-            changed = [name for name, at in (("email", customer.email_changed_at),
-                                             ("address", customer.address_changed_at)) if at and at >= since]
-            rule("recent_contact_change", "RECENT_CONTACT_CHANGE", bool(changed),
-                 limit=rules.contact_change_days, observed=changed)
-        if rules.hold_customer_velocity:
-            would_be = totals.customer_velocity_count + 1
-            rule("customer_velocity", "CUSTOMER_VELOCITY", would_be > rules.velocity_max_refunds,
-                 limit=rules.velocity_max_refunds, observed=totals.customer_velocity_count,
-                 inputs={"window_hours": rules.velocity_window_hours, "would_be": would_be})
+    if requester_authority is not None:
+        rule("requester_authority", "ABOVE_REQUESTER_AUTHORITY", amount > requester_authority,
+             limit=requester_authority, observed=amount,
+             message=f"{money(amount)} is above the {money(requester_authority)} the requester may approve: "
+                     f"someone else decides.")
+    rules = rules or HoldRules()  # no rules saved: every hold on (the model's defaults), never none
+    if rules.hold_disputed:
+        rule("payment_disputed", "PAYMENT_DISPUTED", payment.is_disputed,
+             observed=payment.dispute_status)
+    if rules.hold_flagged:
+        rule("payment_flagged", "PAYMENT_FLAGGED", bool(payment.fraud_flags), observed=payment.fraud_flags)
+    if rules.hold_recent_contact_change:
+        since = now - timedelta(days=rules.contact_change_days)
+        customer = payment.customer
+        changed = [name for name, at in (("email", customer.email_changed_at),
+                                         ("address", customer.address_changed_at)) if at and at >= since]
+        rule("recent_contact_change", "RECENT_CONTACT_CHANGE", bool(changed),
+             limit=rules.contact_change_days, observed=changed)
+    if rules.hold_customer_velocity:
+        would_be = totals.customer_velocity_count + 1
+        rule("customer_velocity", "CUSTOMER_VELOCITY", would_be > rules.velocity_max_refunds,
+             limit=rules.velocity_max_refunds, observed=totals.customer_velocity_count,
+             inputs={"window_hours": rules.velocity_window_hours, "would_be": would_be})
     return fired

@@ -18,6 +18,13 @@ VAR_DIR = BASE_DIR / "var"
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
 
+# Production mode: no published secret, no sandbox unless asked for with a secret of its own, no
+# demo data. Unset, the platform runs in development mode (scripts/run).
+PRODUCTION = env("REFUNDOPS_ENV", default="development") == "production"
+if PRODUCTION and not env("DJANGO_SECRET_KEY", default=""):
+    raise ImproperlyConfigured("REFUNDOPS_ENV=production needs DJANGO_SECRET_KEY (a long random value); "
+                               "it will not start with the published development key.")
+
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 SECRET_KEY = env("DJANGO_SECRET_KEY", default="dev-only-insecure-secret-key-change-me")
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
@@ -38,6 +45,7 @@ INSTALLED_APPS = [
     "audit",
     "refundops.apps.RefundOpsConfig",
     "approvals",
+    "roles",
 ]
 
 MIDDLEWARE = [
@@ -135,6 +143,17 @@ if env("REFUNDOPS_ENV", default="") == "production" and len(AUDIT_KEY) < 32:
 AUDIT_KEY = AUDIT_KEY or "dev-only-audit-key-not-secret"
 AUDIT_SEAL_GRACE_SECONDS = env.int("AUDIT_SEAL_GRACE_SECONDS", default=300)  # verify_audit fails past this
 
+# DJANGO_SECURE=true behind TLS: secure cookies, HSTS, HTTPS only, and the proxy's word for it.
+if env.bool("DJANGO_SECURE", default=False):
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+    SECURE_SSL_REDIRECT = True
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_HSTS_SECONDS = env.int("DJANGO_HSTS_SECONDS", default=31_536_000)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = env.bool("DJANGO_HSTS_PRELOAD", default=True)
+    # Probes inside the deployment's network speak plain HTTP to the process itself.
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
+
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
 ]
@@ -186,9 +205,17 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {"OutcomeEnum": ["approved", "held", "denied"]},
 }
 
+# The sandbox gateway (and its webhook route and payment page): on in development; in production
+# only with SANDBOX_ENABLED=true and a SANDBOX_WEBHOOK_SECRET of its own, never the published one.
+DEV_SANDBOX_WEBHOOK_SECRET = "whsec_sandbox_dev"
+SANDBOX_ENABLED = env.bool("SANDBOX_ENABLED", default=not PRODUCTION)
+SANDBOX_WEBHOOK_SECRET = env("SANDBOX_WEBHOOK_SECRET", default="" if PRODUCTION else DEV_SANDBOX_WEBHOOK_SECRET)
+if PRODUCTION and SANDBOX_ENABLED and SANDBOX_WEBHOOK_SECRET in ("", DEV_SANDBOX_WEBHOOK_SECRET):
+    raise ImproperlyConfigured("SANDBOX_ENABLED=true in production needs a SANDBOX_WEBHOOK_SECRET of its own.")
+
 # Gateways: a refund always goes to the gateway and account that took the payment.
 PROCESSORS = {
-    "sandbox": {"default": {"webhook_secret": env("SANDBOX_WEBHOOK_SECRET", default="whsec_sandbox_dev")}},
+    **({"sandbox": {"default": {"webhook_secret": SANDBOX_WEBHOOK_SECRET}}} if SANDBOX_ENABLED else {}),
     "stripe": {"default": {
         "api_key": env("STRIPE_API_KEY", default=""),
         "api_base": env("STRIPE_API_BASE", default=""),

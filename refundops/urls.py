@@ -1,3 +1,4 @@
+from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
 
@@ -7,5 +8,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include("refundops.api.urls")),
     path("webhooks/", include("refundops.webhook_urls")),
-    path("pay/<str:link_id>", sandbox_payment_page, name="sandbox-payment-page"),
+    *([path("pay/<str:link_id>", sandbox_payment_page, name="sandbox-payment-page")]
+      if settings.SANDBOX_ENABLED else []),
 ]

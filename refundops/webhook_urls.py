@@ -1,5 +1,6 @@
 """Inbound gateway webhooks, mounted at ``webhooks/``: the gateways' view, wired to our services."""
 
+from django.conf import settings
 from django.urls import path
 
 from processors.webhooks import GatewayWebhookView
@@ -7,7 +8,7 @@ from refundops.services.gateway_events import apply_event
 
 urlpatterns = [
     route
-    for gateway in ("stripe", "paypal", "sandbox")
+    for gateway in ("stripe", "paypal", *(("sandbox",) if settings.SANDBOX_ENABLED else ()))
     for route in (
         path(f"{gateway}/", GatewayWebhookView.as_view(gateway=gateway, apply_event=apply_event),
              name=f"webhook-{gateway}"),

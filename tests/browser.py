@@ -8,16 +8,20 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from django.contrib import admin
 from django.contrib.admin.utils import quote
 from django.contrib.auth.models import Group, Permission, User
 from django.test import RequestFactory
+from django.db import connections
 from django.urls import reverse
 from django.utils import timezone
 
 from approvals.models import ApprovalAuthority
 from audit.models import Verdict
 from processors.models import InboundEvent, SandboxControl
+from playwright.sync_api import Page, expect, sync_playwright
+
 from refundops.callers import Caller
 from refundops.models import (
     Dispute,
@@ -138,3 +142,39 @@ def admin_pages(user: User) -> list[tuple[str, str, int]]:
 
 def launch(playwright):
     return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+@pytest.fixture(autouse=True)
+def _orm_beside_playwright(monkeypatch):
+    # Playwright's sync API runs an event loop in this thread; the test's own ORM calls are still
+    # plain synchronous calls, made between browser steps.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+
+@pytest.fixture
+def browser():
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        chromium = launch(playwright)
+        yield chromium
+        chromium.close()
+        # ORM calls made while Playwright's loop runs open a connection of their own; close it
+        # here, or dropping the test database finds it still in use.
+        connections.close_all()
+
+
+def shot(page: Page, name: str) -> None:
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+
+def log_in(browser, base: str, username: str, password: str) -> tuple[Page, list[str]]:
+    page = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
+    broken: list[str] = []
+    page.on("response", lambda r: broken.append(f"{r.status} {r.url}") if r.status >= 500 or (
+        "/static/" in r.url and r.status >= 400) else None)
+    page.goto(f"{base}/admin/login/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("input[type=submit]")
+    expect(page.locator("#user-tools")).to_contain_text(username)
+    return page, broken

@@ -136,6 +136,18 @@ def make_rules(**fields) -> HoldRules:
     return HoldRules.objects.create(version=version, **{"velocity_max_refunds": 1_000, **fields})
 
 
+def make_staff(username: str, *, authority_minor: int = 10**12, currencies=("USD", "EUR")):
+    """A staff member who may refund alone up to ``authority_minor`` (above it, someone else decides)."""
+    from django.contrib.auth import get_user_model
+
+    from approvals.models import ApprovalAuthority
+
+    user = get_user_model().objects.create_user(username, is_staff=True)
+    for currency in currencies:
+        ApprovalAuthority.objects.create(user=user, currency=currency, max_amount_minor=authority_minor)
+    return user
+
+
 def make_agent_key(*capabilities: str, name: str | None = None) -> tuple[AgentKey, str]:
     agent = Agent.objects.create(name=name or f"agent-{uuid.uuid4().hex[:8]}",
                                  capabilities=list(capabilities or Capability.values))

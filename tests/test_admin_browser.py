@@ -12,22 +12,15 @@ import uuid
 import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
-from django.db import connections
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import expect
 
+from approvals.models import ApprovalAuthority
 from refundops.callers import Caller
 from refundops.models import Payment, Refund, RefundState
-from tests.browser import SCREENSHOTS, admin_pages, admin_url, agent_refund, launch, populate
+from tests.browser import _orm_beside_playwright, admin_pages, admin_url, agent_refund, browser, log_in, populate, shot  # noqa: F401 (fixtures)
 from tests.conftest import make_agent_key
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
-
-
-@pytest.fixture(autouse=True)
-def _orm_beside_playwright(monkeypatch):
-    # Playwright's sync API runs an event loop in this thread; the test's own ORM calls are still
-    # plain synchronous calls, made between browser steps.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 
 
 @pytest.fixture
@@ -37,37 +30,8 @@ def demo() -> dict:
     return json.loads(out.getvalue())
 
 
-@pytest.fixture
-def browser():
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as playwright:
-        chromium = launch(playwright)
-        yield chromium
-        chromium.close()
-        # ORM calls made while Playwright's loop runs open a connection of their own; close it
-        # here, or dropping the test database finds it still in use.
-        connections.close_all()
-
-
-def shot(page: Page, name: str) -> None:
-    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
-
-
-def log_in(browser, base: str, username: str, password: str) -> tuple[Page, list[str]]:
-    page = browser.new_context(viewport={"width": 1440, "height": 1000}).new_page()
-    broken: list[str] = []
-    page.on("response", lambda r: broken.append(f"{r.status} {r.url}") if r.status >= 500 or (
-        "/static/" in r.url and r.status >= 400) else None)
-    page.goto(f"{base}/admin/login/")
-    page.fill("#id_username", username)
-    page.fill("#id_password", password)
-    page.click("input[type=submit]")
-    expect(page.locator("#user-tools")).to_contain_text(username)
-    return page, broken
-
-
 def test_the_demo_approver_reads_the_dashboard_and_approves_a_held_refund_by_clicking(live_server, demo, browser):
-    login = next(s for s in demo["staff"] if s["role"] == "approver")
+    login = next(s for s in demo["staff"] if s["username"] == "approver")
     key, _ = make_agent_key()
     big = Payment.objects.filter(currency="USD", amount_captured_minor=45_000).get()
     held = agent_refund(Caller.for_key(key), big, 30_000, key=uuid.uuid4().hex).body
@@ -120,7 +84,8 @@ def test_the_demo_approver_reads_the_dashboard_and_approves_a_held_refund_by_cli
 
 def test_every_admin_page_renders_in_chromium(live_server, browser):
     populate()
-    User.objects.create_superuser("root", "root@example.com", "root-pw")
+    root = User.objects.create_superuser("root", "root@example.com", "root-pw")
+    ApprovalAuthority.objects.create(user=root, currency="USD", max_amount_minor=100_000)  # refunds alone up to it
     page, broken = log_in(browser, live_server.url, "root", "root-pw")
     pages = admin_pages(User.objects.get(username="root"))
     for what, url, expected in pages:

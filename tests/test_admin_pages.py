@@ -11,6 +11,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
+from approvals.models import ApprovalAuthority
 from approvals.services import approve_refund, reject_refund
 from audit.models import AuditEntry, Verdict
 from processors.models import SandboxControl
@@ -28,6 +29,7 @@ def world(db):
 @pytest.fixture
 def root(client):
     user = User.objects.create_superuser("root", "root@example.com", "pw")
+    ApprovalAuthority.objects.create(user=user, currency="USD", max_amount_minor=100_000)  # refunds alone up to it
     client.force_login(user)
     return user
 

@@ -154,7 +154,7 @@ def test_a_person_cannot_approve_a_refund_they_asked_for_but_a_colleague_can(hel
     alice = approver("alice", limit=50_000)
     refund = held_refund(9_000, caller=Caller.for_user(alice))
     assert refund.origin == Refund.Origin.STAFF and refund.requested_by == alice
-    with pytest.raises(ApprovalError, match="cannot approve a refund they asked for"):
+    with pytest.raises(ApprovalError, match="cannot decide a refund they asked for"):
         approve_refund(refund_id=refund.pk, approver=alice)
     approve_refund(refund_id=refund.pk, approver=approver("bob", limit=50_000))
     refund.refresh_from_db()

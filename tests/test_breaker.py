@@ -8,7 +8,6 @@ import uuid
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 import pytest
-from django.contrib.auth import get_user_model
 from django.core import mail
 
 from audit.models import AuditEntry
@@ -17,7 +16,7 @@ from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.models import PlatformState, Refund
 from refundops.services.refunds import request_refund
-from tests.conftest import make_payment, post
+from tests.conftest import make_payment, make_staff, post
 
 T0 = datetime(2026, 3, 2, 12, 0, tzinfo=dt_timezone.utc)
 
@@ -97,7 +96,7 @@ def test_open_pauses_agent_refunds_with_circuit_open_but_not_staff(api, policy, 
     error = answers[3].json()["error"]
     assert error["code"] == "CIRCUIT_OPEN" and "breaker" in error["message"]
     assert Refund.objects.get(pk=error["refund_id"]).status == "denied"
-    staff = get_user_model().objects.create_user("finance", is_staff=True)
+    staff = make_staff("finance")
     answer = request_refund(caller=Caller.for_user(staff), idempotency_key=uuid.uuid4().hex,
                             data={"transaction_id": payments[3].pk, "amount": 100, "reason": "duplicate"})
     assert answer.status == 201
@@ -144,7 +143,7 @@ def test_kill_switch_pauses_agent_refunds_at_once_but_not_staff(api, policy):
                                              "reason": "duplicate"})
     assert response.status_code == 503 and response.json()["error"]["code"] == "CIRCUIT_OPEN"
     assert "kill switch" in response.json()["error"]["message"]
-    staff = get_user_model().objects.create_user("finance", is_staff=True)
+    staff = make_staff("finance")
     answer = request_refund(caller=Caller.for_user(staff), idempotency_key=uuid.uuid4().hex,
                             data={"transaction_id": make_payment().pk, "amount": 100, "reason": "duplicate"})
     assert answer.status == 201

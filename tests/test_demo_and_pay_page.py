@@ -38,7 +38,8 @@ def test_demo_data_shows_every_path_with_logins_and_a_key(capsys):
             "uncaptured authorisation", "order with an amount owed"} <= paths
     fresh = [p for p in data["payments"] if p["path"] == "fresh capture"]
     assert len({p["customer_id"] for p in fresh}) >= 5
-    assert {s["role"] for s in data["staff"]} == {"approver", "auditor", "operator"}
+    assert {s["role"] for s in data["staff"]} == {"finance approver", "fraud analyst", "auditor", "operator",
+                                                  "administrator"}
     for staff in data["staff"]:
         assert Client().login(username=staff["username"], password=staff["password"])
     assert data["agent"]["key"].startswith("rk_")

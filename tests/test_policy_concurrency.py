@@ -6,12 +6,11 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from django.contrib.auth import get_user_model
 
 from refundops.callers import Caller
 from refundops.models import Refund
 from refundops.services.refunds import request_refund
-from tests.conftest import make_agent_key, make_customer, make_limits, make_payment, make_rules, race
+from tests.conftest import make_agent_key, make_customer, make_limits, make_payment, make_rules, make_staff, race
 from tests.test_refund_concurrency import AMOUNT, counted, outcomes, refund
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("quiet_breaker")]
@@ -27,7 +26,7 @@ def test_agents_and_staff_racing_share_the_customer_and_global_totals_exactly():
     make_limits(customer_daily_amount_minor=6 * AMOUNT, global_daily_amount_minor=10 * AMOUNT)
     make_rules()
     customer = make_customer()
-    users = [get_user_model().objects.create_user(f"finance-{i}", is_staff=True) for i in range(24)]
+    users = [make_staff(f"finance-{i}") for i in range(24)]
     keys = [make_agent_key()[1] for _ in range(24)]
     mine = [make_payment(customer=customer).pk for _ in range(24)]  # 12 by agents, 12 by staff
     others = [make_payment().pk for _ in range(24)]  # other customers: only the global total binds

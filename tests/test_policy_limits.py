@@ -22,7 +22,7 @@ from refundops.models import HoldRules, Payment, Refund, RefundLimits, RefundSta
 from refundops.policy import RefundAsk, Totals, evaluate_refund
 from refundops.selectors import start_of_day
 from refundops.services.refunds import request_refund, sync_payment_amounts
-from tests.conftest import make_customer, make_limits, make_payment, make_rules, post
+from tests.conftest import make_customer, make_limits, make_payment, make_rules, make_staff, post
 
 pytestmark = pytest.mark.django_db
 
@@ -232,7 +232,7 @@ def test_totals_are_per_currency(api, rules):
 def test_staff_refunds_count_toward_customer_and_global_totals(api, rules):
     make_limits(customer_daily_amount_minor=10_000, global_daily_amount_minor=15_000)
     customer = make_customer()
-    staff = get_user_model().objects.create_user("finance-1", is_staff=True)
+    staff = make_staff("finance-1")
     answer = request_refund(caller=Caller.for_user(staff), data={
         "transaction_id": make_payment(customer=customer).pk, "amount": 6_000, "reason": "duplicate"},
         idempotency_key=uuid.uuid4().hex)
@@ -253,7 +253,7 @@ def test_external_refunds_count_toward_customer_and_global_totals(api, rules):
 
 def test_staff_refunds_are_not_held_to_agent_limits(db, rules):
     make_limits(agent_hourly_amount_minor=1, agent_daily_amount_minor=1, session_amount_minor=1)
-    staff = get_user_model().objects.create_user("finance-2", is_staff=True)
+    staff = make_staff("finance-2")
     answer = request_refund(caller=Caller.for_user(staff), data={
         "transaction_id": make_payment().pk, "amount": 6_000, "reason": "duplicate"},
         idempotency_key=uuid.uuid4().hex)

@@ -20,7 +20,7 @@ from refundops.callers import Caller
 from refundops.models import COUNTING_STATES, Customer, Payment, Refund, RefundLimits
 from refundops.policy import RefundAsk, Totals, evaluate_refund
 from refundops.services.refunds import request_refund
-from tests.conftest import make_agent_key, make_customer, make_limits, make_payment
+from tests.conftest import make_agent_key, make_customer, make_limits, make_payment, make_staff
 
 AGENTS = ("ag_a", "ag_b", None)  # None: a staff member in the admin
 SESSIONS = ("", "s1", "s2")
@@ -135,7 +135,7 @@ def test_the_service_never_lets_a_sequence_past_a_bound(scenario, settings, rule
         people = [make_customer() for _ in range(customers)]
         rows = [make_payment(customer=people[c], amount=captured) for c, captured in payments]
         keys = {name: make_agent_key("refunds.create")[0] for name in AGENTS if name}
-        staff = django_user_model.objects.create_user(f"staff-{uuid.uuid4().hex[:8]}", is_staff=True)
+        staff = make_staff(f"staff-{uuid.uuid4().hex[:8]}")
         for ask in asks:
             caller = Caller.for_key(keys[ask.agent]) if ask.agent else Caller.for_user(staff)
             body = {"transaction_id": rows[ask.payment].pk, "reason": "duplicate",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from django.contrib.auth.models import Group, Permission, User
+from django.conf import settings
+from django.contrib.auth.models import User
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 from django.utils import timezone
@@ -14,12 +15,13 @@ from approvals.models import ApprovalAuthority
 from processors import sandbox
 from processors.money import Money
 from refundops.access import generate_key
+from roles.definitions import find_role
+from roles.services import grant_role
 from refundops.models import (
     Agent,
     AgentKey,
     Capability,
     Customer,
-    HoldRules,
     Payment,
     PaymentLinkTemplate,
     PlatformState,
@@ -28,24 +30,9 @@ from refundops.models import (
 )
 
 DEMO_PASSWORD = "refundops-demo"
-STAFF = {
-    # username: (group, what they do in the admin)
-    "approver": ("Finance approvers", "approves or rejects held refunds, edits limits"),
-    "auditor": ("Auditors", "reads verdicts, history and the audit log"),
-    "operator": ("Operators", "kill switch, agents and keys, sandbox gateway"),
-}
-GROUP_PERMISSIONS = {
-    "Finance approvers": ["view_payment", "view_refund", "add_refund", "change_refund", "approve_refund", "view_verdict",
-                          "view_refundlimits", "add_refundlimits", "change_refundlimits", "view_customer",
-                          "view_historicalrefund", "view_auditentry", "view_approvalauthority"],
-    "Auditors": ["view_payment", "view_refund", "view_verdict", "view_auditentry", "view_customer",
-                 "view_historicalrefund", "view_historicalpayment", "view_refundlimits", "view_holdrules",
-                 "view_agent", "view_agentkey"],
-    "Operators": ["view_payment", "view_refund", "view_verdict", "view_auditentry", "view_agent", "add_agent",
-                  "change_agent", "view_agentkey", "change_agentkey", "view_platformstate",
-                  "change_platformstate", "view_sandboxcontrol", "change_sandboxcontrol",
-                  "view_holdrules", "add_holdrules", "change_holdrules"],
-}
+# username: role. Two finance approvers, so a change one proposes has someone to approve it.
+STAFF = {"approver": "finance approver", "approver2": "finance approver", "fraud": "fraud analyst",
+         "auditor": "auditor", "operator": "operator", "admin": "administrator"}
 
 
 class Command(BaseCommand):
@@ -55,6 +42,9 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", dest="as_json", help="print ids, logins and the key as JSON")
 
     def handle(self, *args, as_json: bool = False, **options):
+        if settings.PRODUCTION:
+            raise CommandError("demo_data refuses in production mode (REFUNDOPS_ENV=production): it would "
+                               "create logins with a published password and an all-capability key.")
         if Payment.objects.exists() or Agent.objects.exists():
             raise CommandError("demo_data fills an empty database; this one already has payments or agents.")
         with transaction.atomic():
@@ -64,7 +54,7 @@ class Command(BaseCommand):
         else:
             self.stdout.write(self.style.SUCCESS("Demo data created."))
             for login in out["staff"]:
-                self.stdout.write(f"  {login['role']:9} {login['username']} / {login['password']}")
+                self.stdout.write(f"  {login['role']:16} {login['username']} / {login['password']}")
             self.stdout.write(f"  agent key (shown once): {out['agent']['key']}")
 
     def _create(self) -> dict:
@@ -84,8 +74,6 @@ class Command(BaseCommand):
             agent_hourly_amount_minor=200_000, agent_daily_amount_minor=1_000_000,
             session_amount_minor=100_000, global_daily_amount_minor=2_000_000,
             note="Demo limits", created_by="demo_data")
-        HoldRules.objects.create(version=1, contact_change_days=7, velocity_max_refunds=3,
-                                 velocity_window_hours=24, note="Demo rules", created_by="demo_data")
         PlatformState.current()
         sandbox.set_mode("up", settle_delay_seconds=5)
 
@@ -126,16 +114,16 @@ class Command(BaseCommand):
         ]
 
         staff = []
-        for username, (group_name, does) in STAFF.items():
-            group, _ = Group.objects.get_or_create(name=group_name)
-            group.permissions.set(Permission.objects.filter(codename__in=GROUP_PERMISSIONS[group_name]))
-            user = User.objects.create_user(username=username, password=DEMO_PASSWORD, is_staff=True,
-                                            email=f"{username}@example.com")
-            user.groups.add(group)
-            staff.append({"role": username, "username": username, "password": DEMO_PASSWORD, "does": does})
+        for username, role_name in STAFF.items():
+            role = find_role(role_name)
+            user = User.objects.create_user(username=username, password=DEMO_PASSWORD, email=f"{username}@example.com")
+            grant_role(user=user, role=role, actor="demo_data")
+            staff.append({"role": role.name, "username": username, "password": DEMO_PASSWORD, "does": role.does})
         approver = User.objects.get(username="approver")
-        for currency in ("USD", "EUR"):
-            ApprovalAuthority.objects.create(user=approver, currency=currency, max_amount_minor=100_000)
+        for username in ("approver", "approver2"):
+            for currency in ("USD", "EUR"):
+                ApprovalAuthority.objects.create(user=User.objects.get(username=username), currency=currency,
+                                                 max_amount_minor=100_000)
 
         template = PaymentLinkTemplate.objects.create(
             name="Balance due", approved_by=approver, approved_at=now,
