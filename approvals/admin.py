@@ -7,8 +7,9 @@ from django.contrib import admin
 
 from approvals.models import ApprovalAuthority
 from audit.admin import HistoryAdmin
-from audit.services import record_audit
 from processors.money import format_minor
+from proposals.admin import ProposeChangeMixin
+from proposals.models import Proposal
 
 
 class ApprovalAuthorityForm(forms.ModelForm):
@@ -19,7 +20,11 @@ class ApprovalAuthorityForm(forms.ModelForm):
 
 
 @admin.register(ApprovalAuthority)
-class ApprovalAuthorityAdmin(HistoryAdmin):
+class ApprovalAuthorityAdmin(ProposeChangeMixin, HistoryAdmin):
+    """A change is a proposal: it takes effect when a second person approves it, never the
+    person whose authority it is."""
+
+    proposal_kind = Proposal.Kind.APPROVAL_AUTHORITY
     form = ApprovalAuthorityForm
     ordering = ["user__username", "currency"]
     list_display = ["user", "currency", "max_amount", "is_active", "created_at"]
@@ -28,7 +33,6 @@ class ApprovalAuthorityAdmin(HistoryAdmin):
     list_select_related = ["user"]
     autocomplete_fields = ["user"]
     fields = ["user", "currency", "max_amount_minor", "is_active", "created_at"]
-    readonly_fields = ["created_at"]
 
     @admin.display(description="up to", ordering="max_amount_minor")
     def max_amount(self, obj: ApprovalAuthority) -> str:
@@ -37,12 +41,8 @@ class ApprovalAuthorityAdmin(HistoryAdmin):
     def has_delete_permission(self, request, obj=None) -> bool:
         return False  # deactivate instead, so the history keeps who could approve what, when
 
+    def get_readonly_fields(self, request, obj=None):
+        return ["created_at", *(["user", "currency"] if obj is not None else [])]
 
-    def save_model(self, request, obj, form, change):
-        super().save_model(request, obj, form, change)  # admin saves run in one transaction
-        record_audit(actor=f"user:{request.user.get_username()}",
-                     action="authority.changed" if change else "authority.granted",
-                     subject_type="approval_authority", subject_id=str(obj.pk),
-                     data={"user": obj.user.get_username(), "currency": obj.currency,
-                           "max_amount_minor": obj.max_amount_minor, "is_active": obj.is_active,
-                           "fields": form.changed_data})
+    def proposal_subject(self, obj: ApprovalAuthority, change: bool) -> str:
+        return f"{obj.user_id}:{obj.currency}"

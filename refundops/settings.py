@@ -45,6 +45,7 @@ INSTALLED_APPS = [
     "audit",
     "refundops.apps.RefundOpsConfig",
     "approvals",
+    "proposals",
     "roles",
 ]
 

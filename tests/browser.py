@@ -22,6 +22,7 @@ from audit.models import Verdict
 from processors.models import InboundEvent, SandboxControl
 from playwright.sync_api import Page, expect, sync_playwright
 
+from proposals.models import Proposal
 from refundops.callers import Caller
 from refundops.models import (
     Dispute,
@@ -66,7 +67,9 @@ def populate() -> World:
         make_limits(currency, approval_threshold_minor=5_000)
     make_rules()
     Group.objects.get_or_create(name="Finance approvers")
-    make_approver(f"approver-{uuid.uuid4().hex[:6]}", currencies=("USD", "EUR"))
+    approver = make_approver(f"approver-{uuid.uuid4().hex[:6]}", currencies=("USD", "EUR"))
+    Proposal.objects.create(kind=Proposal.Kind.HOLD_RULES, summary="hold rules", changes={"hold_flagged": False},
+                            diff={"hold_flagged": [True, False]}, proposed_by=approver)
     key, _ = make_agent_key()
     caller = Caller.for_key(key)
     approved_payment = make_payment(amount=8_000)

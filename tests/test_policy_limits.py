@@ -17,6 +17,8 @@ from django.test import Client
 from django.utils import timezone
 
 from audit.models import AuditEntry
+from proposals.models import Proposal
+from proposals.services import approve_proposal
 from refundops.callers import Caller
 from refundops.models import HoldRules, Payment, Refund, RefundLimits, RefundState
 from refundops.policy import RefundAsk, Totals, evaluate_refund
@@ -334,6 +336,13 @@ def admin_client(username: str = "finance") -> Client:
     return client
 
 
+def approve_the_proposal() -> None:
+    """A second person approves what the first proposed (proposals: maker-checker)."""
+    checker = get_user_model().objects.filter(username="checker").first() or \
+        get_user_model().objects.create_superuser("checker", "checker@example.com", "pw")
+    approve_proposal(proposal_id=Proposal.objects.get(status="pending").pk, approver=checker)
+
+
 def limits_form(limits: RefundLimits, **changes) -> dict:
     data = {f.name: getattr(limits, f.name) for f in RefundLimits._meta.fields
             if f.name not in ("id", "version", "created_by", "created_at")}
@@ -349,11 +358,12 @@ def test_saving_limits_in_the_admin_writes_a_new_version_and_keeps_the_old(api, 
                            limits_form(v1, approval_threshold_minor=1_000,
                                        reason_thresholds={"fraudulent": 500}))
     assert response.status_code == 302, response.content.decode()[:2000]
+    approve_the_proposal()
     v1_again, v2 = RefundLimits.objects.filter(currency="USD").order_by("version")
     assert (v1_again.pk, v1_again.approval_threshold_minor) == (v1.pk, 5_000)
-    assert (v2.version, v2.approval_threshold_minor, v2.created_by) == (2, 1_000, "finance")
+    assert (v2.version, v2.approval_threshold_minor, v2.created_by) == (2, 1_000, "finance, approved by checker")
     assert v2.reason_thresholds == {"fraudulent": 500}
-    assert AuditEntry.objects.filter(action="refund_limits.version_created", subject_id=str(v2.pk)).exists()
+    assert AuditEntry.objects.filter(action="proposal.approved", data__result_id=str(v2.pk)).exists()
     response = ask(api, make_payment(), 1_001)
     assert_outcome(response, "held:APPROVAL_REQUIRED")
     assert response.json()["verdict"]["policy_version"] == f"limits USD v2 / rules v{rules.version}"
@@ -377,6 +387,7 @@ def test_limits_versions_count_per_currency_and_reject_unknown_reasons(db):
     client = admin_client()
     fresh = replace_limits_form_for("EUR")
     assert client.post("/admin/refundops/refundlimits/add/", fresh).status_code == 302
+    approve_the_proposal()
     assert RefundLimits.objects.get(currency="EUR").version == 1
     bad = {**replace_limits_form_for("GBP"), "reason_thresholds": '{"because": 5}'}
     response = client.post("/admin/refundops/refundlimits/add/", bad)
@@ -403,8 +414,9 @@ def test_saving_hold_rules_writes_a_new_version(api, limits):
             if f.name not in ("id", "version", "created_by", "created_at")}
     data = {k: v for k, v in {**data, "hold_flagged": False}.items() if v is not False}
     assert client.post(f"/admin/refundops/holdrules/{v1.pk}/change/", data).status_code == 302
+    approve_the_proposal()
     v2 = HoldRules.objects.get(version=v1.version + 1)
-    assert v2.hold_flagged is False and v2.created_by == "fraud"
+    assert v2.hold_flagged is False and v2.created_by == "fraud, approved by checker"
     assert HoldRules.objects.get(pk=v1.pk).hold_flagged is True
     assert_outcome(ask(api, make_payment(fraud_flags=["x"]), 100), "approved")
 

@@ -3,6 +3,7 @@
 
 from django import forms
 from django.contrib import admin, messages
+from django.http import HttpResponseRedirect
 from django.db.models import Count, Q
 from django.utils import timezone
 
@@ -15,6 +16,8 @@ from refundops.models import (
     PlatformState,
 )
 from refundops.services import agents
+from proposals.admin import ProposeChangeMixin
+from proposals.models import Proposal
 from refundops.admin.base import ReadOnlyInline
 
 
@@ -36,10 +39,12 @@ class AgentCapabilitiesForm(forms.ModelForm):
 
 
 @admin.register(Agent)
-class AgentAdmin(HistoryAdmin):
+class AgentAdmin(ProposeChangeMixin, HistoryAdmin):
     """Agents are created by ``manage.py create_agent`` (the key is shown once, there). Here an
-    operator grants or revokes capabilities, each through the audited service."""
+    operator revokes capabilities at once, or proposes granting some (a second operator approves),
+    each through the audited service."""
 
+    proposal_kind = Proposal.Kind.AGENT_CAPABILITIES
     form = AgentCapabilitiesForm
     ordering = ["name"]
     list_display = ["name", "id", "owner", "capability_list", "is_active", "live_keys", "created_at"]
@@ -56,12 +61,22 @@ class AgentAdmin(HistoryAdmin):
         return False
 
     def save_model(self, request, obj, form, change):
+        # Taking a capability away is one step for one person; granting one is a proposal.
         held = set(Agent.objects.values_list("capabilities", flat=True).get(pk=obj.pk))
         wanted = set(form.cleaned_data["capabilities"])
-        for capability in sorted(wanted - held):
-            agents.grant_capability(agent_name_or_id=obj.pk, capability=capability, actor=request.user)
         for capability in sorted(held - wanted):
             agents.revoke_capability(agent_name_or_id=obj.pk, capability=capability, actor=request.user)
+        if wanted - held:
+            super().save_model(request, obj, form, change)
+
+    def proposal_changes(self, request, obj, form) -> dict:
+        return {"capabilities": agents.validate_capabilities(form.cleaned_data["capabilities"])}
+
+    def response_change(self, request, obj):
+        if hasattr(request, "_proposal") or hasattr(request, "_proposal_refused"):
+            return super().response_change(request, obj)
+        messages.success(request, f"Capabilities of {obj.name} now: {', '.join(obj.capabilities) or 'none'}.")
+        return HttpResponseRedirect(request.path)
 
     def get_queryset(self, request):
         live = Q(keys__revoked_at__isnull=True) & (Q(keys__expires_at__isnull=True)

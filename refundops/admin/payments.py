@@ -16,7 +16,6 @@ from django.urls import path, reverse
 from django.utils import timezone
 
 from audit.admin import HistoryAdmin, ReadOnlyHistoryAdmin, money_or_dash
-from audit.services import record_audit
 from processors.money import currency_exponent, format_minor
 from refundops.callers import Caller
 from refundops.models import (
@@ -36,6 +35,8 @@ from refundops.services.disputes import submit_dispute_evidence
 from refundops.services.order_amounts import confirm_order_amount
 from refundops.services.payments import capture_payment
 from refundops.services.refunds import request_refund
+from proposals.admin import ProposeChangeMixin
+from proposals.models import Proposal
 from refundops.admin.base import ReadOnlyInline, RowLinks
 
 
@@ -299,45 +300,22 @@ class PaymentLinkTemplateForm(forms.ModelForm):
 
 
 @admin.register(PaymentLinkTemplate)
-class PaymentLinkTemplateAdmin(HistoryAdmin):
-    ordering = ["name"]
-    """Agents send links only from templates a person approved; an edited message needs approval
-    again, so what a person approved is what customers receive."""
+class PaymentLinkTemplateAdmin(ProposeChangeMixin, HistoryAdmin):
+    """Agents send links only from templates a second person approved: a new template or an edit
+    is a proposal, and whoever approves it is the template's approver, so what a person approved
+    is what customers receive."""
 
+    proposal_kind = Proposal.Kind.LINK_TEMPLATE
+    ordering = ["name"]
     form = PaymentLinkTemplateForm
     list_display = ["name", "active", "approved_by", "approved_at", "created_at"]
     list_filter = ["active"]
     search_fields = ["name", "message"]
     list_select_related = ["approved_by"]
     readonly_fields = ["approved_by", "approved_at"]
-    actions = ["approve_selected"]
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False  # links sent from a template point at it; retire a template by deactivating it
-
-    def save_model(self, request, obj, form, change):
-        if "message" in form.changed_data:
-            obj.approved_by, obj.approved_at = None, None
-        super().save_model(request, obj, form, change)
-        record_audit(actor=Caller.for_user(request.user).label,
-                     action="link_template.changed" if change else "link_template.created",
-                     subject_type="payment_link_template", subject_id=str(obj.pk),
-                     data={"name": obj.name, "active": obj.active, "fields": form.changed_data})
-
-    def has_approve_permission(self, request) -> bool:
-        return request.user.has_perm("refundops.change_paymentlinktemplate")
-
-    @admin.action(description="Approve selected templates", permissions=["approve"])
-    def approve_selected(self, request, queryset):
-        now = timezone.now()
-        for template in queryset.filter(approved_at__isnull=True):
-            template.approved_by, template.approved_at = request.user, now
-            template._history_user, template._change_reason = request.user, "approved"
-            template.save()
-            record_audit(actor=Caller.for_user(request.user).label, action="link_template.approved",
-                         subject_type="payment_link_template", subject_id=str(template.pk),
-                         data={"name": template.name})
-        messages.success(request, "Approved.")
 
 
 @admin.register(PaymentLink)

@@ -1,9 +1,9 @@
 """Admin for finance's refund limits and fraud's hold rules.
 
 Both are versioned: every verdict names the version it was decided under, so a version is never
-edited or deleted. Saving a change to the current version writes a new row (version + 1, made by
-the user who saved); older versions are shown read-only. Who may change which is ordinary Django
-permissions (finance: ``change_refundlimits``, fraud: ``change_holdrules``).
+edited or deleted. Saving a change to the current version proposes a new row (version + 1), written
+when a second person with the same right approves it (``proposals``); older versions are shown
+read-only. Finance holds ``change_refundlimits``, fraud ``change_holdrules``.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from django import forms
-from django.contrib import admin, messages
-from django.core.exceptions import PermissionDenied
-from django.db import transaction
+from django.contrib import admin
 from django.db.models import Model, OuterRef, Subquery
 
-from audit.services import record_audit
 from processors.money import format_minor
+from proposals.admin import ProposeChangeMixin
+from proposals.models import Proposal
 from refundops.models import HoldRules, Reason, RefundLimits
 
 AMOUNT_FIELDS = ("approval_threshold_minor", "customer_daily_amount_minor", "customer_30d_amount_minor",
@@ -56,13 +55,13 @@ class RefundLimitsForm(forms.ModelForm):
         return data
 
 
-class VersionedAdmin(admin.ModelAdmin):
-    """A change never updates a row: it writes the next version of the series."""
+class VersionedAdmin(ProposeChangeMixin, admin.ModelAdmin):
+    """A change never updates a row: it proposes the next version of the series, written when a
+    second person approves it."""
 
     series_fields: tuple[str, ...] = ()  # what names one series of versions, besides the model
     always_readonly = ("version", "created_by", "created_at")
     save_as = False
-    audit_subject = ""
 
     def series(self, obj: Model):
         return type(obj).objects.filter(**{f: getattr(obj, f) for f in self.series_fields})
@@ -94,32 +93,15 @@ class VersionedAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None) -> bool:
         return False
 
-    def save_model(self, request, obj: Model, form, change: bool) -> None:
-        before = obj.version if change else None
-        with transaction.atomic():
-            # Locks the series so two people saving at once get consecutive versions.
-            latest = self.series(obj).select_for_update().order_by("-version").first()
-            if change and latest is not None and latest.version != before:
-                raise PermissionDenied("Only the current version can be changed; reload it.")
-            obj.pk = None
-            obj._state.adding = True
-            obj.version = (latest.version if latest else 0) + 1
-            obj.created_by = request.user.get_username()
-            obj.save()
-            record_audit(actor=f"user:{obj.created_by}", action=f"{self.audit_subject}.version_created",
-                         subject_type=self.audit_subject, subject_id=str(obj.pk),
-                         data={"version": obj.version, "replaces": before, "changed": form.changed_data,
-                               **{f: getattr(obj, f) for f in self.series_fields}})
-        if change:
-            messages.info(request, f"Saved as version {obj.version}; version {before} is kept unchanged "
-                                   f"for the verdicts that name it.")
+    def proposal_subject(self, obj: Model, change: bool) -> str:
+        return getattr(obj, "currency", "")  # limits: one series per currency; hold rules: one series
 
 
 @admin.register(RefundLimits)
 class RefundLimitsAdmin(VersionedAdmin):
     form = RefundLimitsForm
     series_fields = ("currency",)
-    audit_subject = "refund_limits"
+    proposal_kind = Proposal.Kind.REFUND_LIMITS
     list_display = ("__str__", "currency", "version", "current", "approval_threshold",
                     "customer_daily", "global_daily", "created_by", "created_at")
     list_filter = ("currency",)
@@ -148,7 +130,7 @@ class RefundLimitsAdmin(VersionedAdmin):
 
 @admin.register(HoldRules)
 class HoldRulesAdmin(VersionedAdmin):
-    audit_subject = "hold_rules"
+    proposal_kind = Proposal.Kind.HOLD_RULES
     list_display = ("__str__", "version", "current", "hold_disputed", "hold_flagged",
                     "hold_recent_contact_change", "contact_change_days", "hold_customer_velocity",
                     "velocity_max_refunds", "velocity_window_hours", "created_by", "created_at")

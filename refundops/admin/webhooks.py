@@ -5,6 +5,8 @@ from django.contrib import admin, messages
 from django.db import models
 
 from audit.admin import ReadOnlyAdmin
+from proposals.admin import ProposeChangeMixin
+from proposals.models import Proposal
 from refundops import outbound
 from refundops.models import (
     GatewayCustomer,
@@ -16,9 +18,11 @@ from refundops.models import (
 # -- merchant webhooks out --------------------------------------------------------------------------
 
 @admin.register(MerchantEndpoint)
-class MerchantEndpointAdmin(admin.ModelAdmin):
-    """Where merchants hear of refund state changes. The signing secret is shown once, on creation."""
+class MerchantEndpointAdmin(ProposeChangeMixin, admin.ModelAdmin):
+    """Where merchants hear of refund state changes. Adding or changing one is a proposal; the
+    signing secret is shown once, to the person who approves a new endpoint."""
 
+    proposal_kind = Proposal.Kind.MERCHANT_ENDPOINT
     list_display = ("id", "url", "active", "event_types", "description", "created_at")
     list_filter = ("active",)
     formfield_overrides = {models.URLField: {"assume_scheme": "https"}}  # a bare host means https
@@ -27,12 +31,10 @@ class MerchantEndpointAdmin(admin.ModelAdmin):
 
     @admin.display(description="signing secret")
     def secret_hint(self, obj: MerchantEndpoint) -> str:
-        return f"{obj.secret[:10]}…" if obj.pk else "generated when you save"
+        return f"{obj.secret[:10]}…" if obj.pk else "generated when a second person approves it"
 
-    def response_add(self, request, obj, post_url_continue=None):
-        messages.warning(request, f"Signing secret for {obj.url} (shown once; verify RefundOps-Signature "
-                                  f"with it): {obj.secret}")
-        return super().response_add(request, obj, post_url_continue)
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False  # deactivate instead: deliveries point at it
 
 
 @admin.register(WebhookDelivery)
@@ -52,7 +54,8 @@ class WebhookDeliveryAdmin(ReadOnlyAdmin):
         messages.success(request, f"Queued {queryset.count()} deliveries again.")
 
     def has_change_permission(self, request, obj=None) -> bool:
-        return request.user.has_perm("refundops.change_webhookdelivery")  # needed by the action only
+        # Needed by the list's action only: a delivery itself is never edited.
+        return obj is None and request.user.has_perm("refundops.change_webhookdelivery")
 
     def get_actions(self, request):
         actions = super().get_actions(request)

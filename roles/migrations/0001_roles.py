@@ -23,5 +23,6 @@ class Migration(migrations.Migration):
         ("approvals", "0001_initial"),
         ("audit", "0001_initial"),
         ("processors", "0002_inbound_events"),
+        ("proposals", "0001_initial"),
     ]
     operations = [migrations.RunPython(install_roles, migrations.RunPython.noop)]
