@@ -31,7 +31,7 @@ ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhos
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "roles.apps.StaffAdminConfig",  # django.contrib.admin, signing in with a second factor
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -41,6 +41,9 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",  # Swagger UI's assets served by us: no CDN at run time
     "simple_history",
+    "axes",
+    "django_otp",
+    "django_otp.plugins.otp_totp",
     "processors",
     "audit",
     "refundops.apps.RefundOpsConfig",
@@ -56,9 +59,11 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django_otp.middleware.OTPMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "simple_history.middleware.HistoryRequestMiddleware",
+    "axes.middleware.AxesMiddleware",  # last: answers a locked-out sign-in
 ]
 
 ROOT_URLCONF = "refundops.urls"
@@ -154,6 +159,18 @@ if env.bool("DJANGO_SECURE", default=False):
     SECURE_HSTS_PRELOAD = env.bool("DJANGO_HSTS_PRELOAD", default=True)
     # Probes inside the deployment's network speak plain HTTP to the process itself.
     SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
+
+# Admin sign-in: N wrong passwords (or codes) lock the username for a while, whoever tries (so
+# rotating addresses does not help), and the address, whatever names it tries; a second factor
+# (roles.signin) where needed.
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+AXES_FAILURE_LIMIT = env.int("AXES_FAILURE_LIMIT", default=5)
+AXES_COOLOFF_TIME = timedelta(minutes=env.int("AXES_COOLOFF_MINUTES", default=15))
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_RESET_ON_SUCCESS = True
+AXES_ENABLE_ADMIN = False  # unlock with manage.py axes_reset_username USER
+OTP_TOTP_ISSUER = "RefundOps"
+OTP_ADMIN_HIDE_SENSITIVE_DATA = True  # nobody reads another person's TOTP key in the admin
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

@@ -1,8 +1,10 @@
 from django.apps import AppConfig
+from django.contrib.admin import apps as admin_apps
 from django.db.models.signals import post_migrate
 
 
 class RolesConfig(AppConfig):
+    default = True
     name = "roles"
     verbose_name = "Roles"
     default_auto_field = "django.db.models.BigAutoField"
@@ -20,3 +22,10 @@ class RolesConfig(AppConfig):
                 sync_roles()
 
         post_migrate.connect(sync_after_the_last_app, weak=False, dispatch_uid="roles.sync_roles")
+
+
+class StaffAdminConfig(admin_apps.AdminConfig):
+    """The admin, with sign-in by password and (where needed) a second factor: roles.signin."""
+
+    default = False  # named in INSTALLED_APPS instead of django.contrib.admin
+    default_site = "roles.signin.StaffAdminSite"

@@ -20,6 +20,7 @@ from django.utils import timezone
 from approvals.models import ApprovalAuthority
 from audit.models import Verdict
 from processors.models import InboundEvent, SandboxControl
+from django_otp.plugins.otp_totp.models import TOTPDevice
 from playwright.sync_api import Page, expect, sync_playwright
 
 from proposals.models import Proposal
@@ -68,6 +69,7 @@ def populate() -> World:
     make_rules()
     Group.objects.get_or_create(name="Finance approvers")
     approver = make_approver(f"approver-{uuid.uuid4().hex[:6]}", currencies=("USD", "EUR"))
+    TOTPDevice.objects.create(user=approver, name="authenticator", confirmed=True)
     Proposal.objects.create(kind=Proposal.Kind.HOLD_RULES, summary="hold rules", changes={"hold_flagged": False},
                             diff={"hold_flagged": [True, False]}, proposed_by=approver)
     key, _ = make_agent_key()

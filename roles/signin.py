@@ -1,0 +1,93 @@
+"""Signing in to the admin: password (throttled by django-axes), then a TOTP code (django-otp)
+for anyone who has a device, and in production mode for everyone who can change anything.
+
+Read-only staff (auditors) may use a device but need not. In development mode (scripts/run, the
+test suite) nobody is asked to enrol, so the demo logins keep working with a password alone.
+A person who must have a second factor and has none enrols on first sign-in: the page shows
+the key for an authenticator app and confirms it with a first code.
+"""
+
+from __future__ import annotations
+
+from base64 import b32encode
+
+import django_otp
+from django import forms
+from django.conf import settings
+from django.contrib import admin
+from django.contrib.admin.forms import AdminAuthenticationForm
+from django.contrib.auth.signals import user_login_failed
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django_otp.plugins.otp_totp.models import TOTPDevice
+
+
+def needs_second_factor(user) -> bool:
+    """Approvers, operators, administrators and superusers: anyone who can change something."""
+    if not settings.PRODUCTION or not user.is_authenticated:
+        return False
+    return user.is_superuser or any(not p.partition(".")[2].startswith("view_") for p in user.get_all_permissions())
+
+
+def _has_device(user) -> bool:
+    return TOTPDevice.objects.filter(user=user, confirmed=True).exists()
+
+
+class StaffAuthenticationForm(AdminAuthenticationForm):
+    otp_token = forms.CharField(label="Code from your authenticator app", required=False, max_length=8,
+                                widget=forms.TextInput(attrs={"autocomplete": "one-time-code", "inputmode": "numeric"}))
+
+    def clean(self):
+        data = super().clean()
+        user = self.get_user()
+        if user is not None and _has_device(user):
+            device = django_otp.match_token(user, (data.get("otp_token") or "").strip())
+            if device is None:
+                # Counted like a wrong password, so guessing codes is throttled too.
+                user_login_failed.send(sender=__name__, credentials={"username": user.get_username()},
+                                       request=self.request)
+                raise forms.ValidationError("Enter the current code from your authenticator app.",
+                                            code="otp_required")
+            user.otp_device = device  # django_otp marks the session verified on login
+        return data
+
+
+class StaffAdminSite(admin.AdminSite):
+    login_form = StaffAuthenticationForm
+    login_template = "admin/roles/login.html"
+
+    def has_permission(self, request: HttpRequest) -> bool:
+        return super().has_permission(request) and (
+            not needs_second_factor(request.user) or request.user.is_verified())
+
+    def login(self, request, extra_context=None):
+        if request.user.is_authenticated and request.user.is_staff and not self.has_permission(request) \
+                and needs_second_factor(request.user):
+            return HttpResponseRedirect(reverse("admin:second_factor"))
+        return super().login(request, extra_context)
+
+    def get_urls(self):
+        return [path("second-factor/", self.second_factor_view, name="second_factor"), *super().get_urls()]
+
+    def second_factor_view(self, request: HttpRequest) -> HttpResponse:
+        """Enrol a TOTP device (or confirm one) and mark this session verified."""
+        if not (request.user.is_authenticated and request.user.is_staff):
+            return HttpResponseRedirect(reverse("admin:login"))
+        device = (TOTPDevice.objects.filter(user=request.user, confirmed=True).first()
+                  or TOTPDevice.objects.filter(user=request.user, confirmed=False).first()
+                  or TOTPDevice.objects.create(user=request.user, name="authenticator", confirmed=False))
+        error = ""
+        if request.method == "POST":
+            if device.verify_token((request.POST.get("otp_token") or "").strip()):
+                if not device.confirmed:
+                    device.confirmed = True
+                    device.save(update_fields=["confirmed"])
+                django_otp.login(request, device)
+                return HttpResponseRedirect(reverse("admin:index"))
+            error = "That code is not right; enter the one your app shows now."
+        context = {**self.each_context(request), "title": "Second factor", "device": device, "error": error,
+                   "key": b32encode(device.bin_key).decode() if not device.confirmed else "",
+                   "config_url": device.config_url if not device.confirmed else ""}
+        return TemplateResponse(request, "admin/roles/second_factor.html", context)
+
