@@ -36,11 +36,15 @@ _MONEY_READ = {"refundops.payment": "view", "refundops.customer": "view", "refun
 
 FINANCE_APPROVER = Role(
     name="finance approver", group="Finance approvers",
-    does="approves or rejects held refunds, refunds by hand, proposes and approves limits and link templates",
+    does="decides held refunds, refunds and captures by hand, submits dispute evidence, proposes and "
+         "approves limits and link templates",
     permissions=_perms({
         **_MONEY_READ,
         "refundops.refund": "view add approve_refund",
-        "refundops.disputeevidencedraft": "view", "refundops.paymentoperation": "view",
+        # change_payment: confirm an authorisation's order amount and capture it;
+        # change_disputeevidencedraft: submit an agent's draft evidence to the gateway.
+        "refundops.payment": "view change", "refundops.disputeevidencedraft": "view change",
+        "refundops.paymentoperation": "view",
         "refundops.paymentlink": "view", "refundops.paymentlinktemplate": "view add change",
         "refundops.refundlimits": "view add change", "refundops.holdrules": "view",
         "approvals.approvalauthority": "view",

@@ -19,7 +19,7 @@ class Migration(migrations.Migration):
     dependencies = [
         ("auth", "0012_alter_user_first_name_max_length"),
         ("contenttypes", "0002_remove_content_type_name"),
-        ("refundops", "0006_hold_rules_v1"),
+        ("refundops", "0007_hold_rules_v1"),
         ("approvals", "0001_initial"),
         ("audit", "0001_initial"),
         ("processors", "0002_inbound_events"),

@@ -14,5 +14,5 @@ def seed_hold_rules(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("refundops", "0005_ledger_discrepancy")]
+    dependencies = [("refundops", "0006_dispute_evidence_submission")]
     operations = [migrations.RunPython(seed_hold_rules, migrations.RunPython.noop)]
