@@ -31,6 +31,7 @@ def run(*args: str, **env: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items()
                    if k not in ("DJANGO_SECRET_KEY", "REFUNDOPS_ENV", "DJANGO_DEBUG", "DJANGO_SECURE",
                                 "SANDBOX_ENABLED", "SANDBOX_WEBHOOK_SECRET")}
+    environment["AUDIT_KEY"] = secrets.token_urlsafe(40)  # production mode needs one (the audit chain's)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env={**environment, **env}, capture_output=True,
                           text=True, timeout=120)
 
