@@ -138,7 +138,11 @@ CELERY_BEAT_SCHEDULE = {
                              "schedule": timedelta(minutes=15)},
     "seal-audit-log": {"task": "audit.tasks.seal_audit_log",
                        "schedule": timedelta(seconds=env.int("AUDIT_SEAL_INTERVAL_SECONDS", default=2))},
+    "reconcile-ledgers": {"task": "refundops.tasks.reconcile_ledgers",
+                          "schedule": timedelta(seconds=env.int("RECONCILE_INTERVAL_SECONDS", default=3600))},
 }
+# The reconciler leaves a refund touched this recently to the worker and the sync (still on its way).
+RECONCILE_GRACE_SECONDS = env.int("RECONCILE_GRACE_SECONDS", default=600)
 
 # The audit chain (audit/chain.py) is keyed with AUDIT_KEY, which never enters the database: keep
 # it in the environment of the web, worker and beat processes and of whoever runs verify_audit.

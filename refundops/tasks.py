@@ -133,3 +133,16 @@ def deliver_webhook(self, *, delivery_id: str) -> str:
 def expire_payment_links() -> int:
     """Deactivate unpaid payment links past ``PAYMENT_LINK_EXPIRY_HOURS`` at their gateway."""
     return link_expiry.expire_payment_links()
+
+
+@shared_task
+def reconcile_ledgers() -> dict[str, int]:
+    """The periodic ``reconcile``: every gateway's books against ours; differences go to a person."""
+    from refundops.services import reconciliation
+
+    run = reconciliation.reconcile()
+    found = sum(len(check.discrepancies) for check in run.checks)
+    if found or run.unreachable:
+        log.warning("reconcile: %s payments compared, %s differences, %s unreachable",
+                    run.checked, found, len(run.unreachable))
+    return {"checked": run.checked, "discrepancies": found, "unreachable": len(run.unreachable)}

@@ -1,17 +1,50 @@
 """The gateways' books against ours. Every difference is raised to a person and stays open until
-they resolve it; a payment with an open difference takes no agent refund unheld."""
+they resolve it; a payment with an open difference takes no agent refund unheld.
+
+Per payment, the gateway's book (what it captured, each refund with its amount, state and our
+refund id from the metadata we sent) is read first, without a lock; then, under the payment's row
+lock, it is compared with our refunds. What the ledger can take as the webhook path would (a refund
+made on the gateway directly that still fits) is recorded; every other difference is raised.
+Refunds still on their way (approved and being submitted, submitted and waiting for the gateway's
+final word, or touched within ``RECONCILE_GRACE_SECONDS`` of reading the book) are the worker's
+and the sync's business, not a difference. A difference the books agree on again stays open: a
+person closes it with a note (``resolve_discrepancy``), since money may have moved twice between.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
 
+from django.conf import settings
 from django.db import transaction
+from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.utils import timezone
 
 from audit.services import record_audit
-from refundops.models import LedgerDiscrepancy, Payment, Refund
+from processors.base import (
+    GatewayRefund,
+    PaymentBook,
+    PaymentRef,
+    ProcessorDeclined,
+    ProcessorUnavailable,
+    WebhookEvent,
+)
+from processors.registry import UnknownProcessor, get_processor
+from refundops.locks import lock_payment
+from refundops.models import LedgerDiscrepancy, Payment, PaymentOperation, Reason, Refund, RefundState
 
 log = logging.getLogger(__name__)
+ACTOR = "system:reconciler"
+Kind = LedgerDiscrepancy.Kind
+# How each gateway says "no such payment": our record names something the gateway never had.
+PAYMENT_MISSING_CODES = frozenset({"resource_missing", "INVALID_RESOURCE_ID", "RESOURCE_NOT_FOUND",
+                                   "no_such_charge"})
+# Gateway refund states in which the money left (or is leaving) the merchant.
+MONEY_MOVED = ("pending", "succeeded")
 
 
 @transaction.atomic
@@ -34,3 +67,268 @@ def raise_discrepancy(*, payment: Payment, kind: str, actor: str, refund: Refund
                        "gateway_reference": gateway_reference, "ours": ours or {}, "theirs": theirs or {}})
     log.error("ledger discrepancy %s on %s: %s (%s)", discrepancy.pk, payment.pk, kind, detail)
     return discrepancy
+
+
+class CannotResolve(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@transaction.atomic
+def resolve_discrepancy(*, discrepancy_id: str, user, note: str) -> LedgerDiscrepancy:
+    """A person with the right (``refundops.resolve_discrepancy``, finance approvers) closes one
+    difference with a note saying what they did about it. Audited; the payment's hold lifts once
+    none of its differences is open."""
+    if not user.has_perm("refundops.resolve_discrepancy"):
+        raise CannotResolve("PERMISSION_DENIED", "Resolving a ledger discrepancy needs the finance "
+                                                 "approver role (permission refundops.resolve_discrepancy).")
+    note = (note or "").strip()
+    if not note:
+        raise CannotResolve("NOTE_REQUIRED", "Say what was done about the difference (refunded by hand, "
+                                             "corrected at the gateway, …): a resolution needs a note.")
+    discrepancy = LedgerDiscrepancy.objects.select_for_update().filter(pk=discrepancy_id).first()
+    if discrepancy is None:
+        raise CannotResolve("DISCREPANCY_NOT_FOUND", f"No ledger discrepancy {discrepancy_id!r}.")
+    if discrepancy.status != LedgerDiscrepancy.Status.OPEN:
+        raise CannotResolve("ALREADY_RESOLVED", f"{discrepancy.pk} was already resolved by "
+                                                f"{discrepancy.resolved_by} at {discrepancy.resolved_at:%Y-%m-%d %H:%M}.")
+    discrepancy.status = LedgerDiscrepancy.Status.RESOLVED
+    discrepancy.resolved_at, discrepancy.resolved_by, discrepancy.resolution_note = timezone.now(), user, note
+    discrepancy.save(update_fields=["status", "resolved_at", "resolved_by", "resolution_note"])
+    still_open = LedgerDiscrepancy.objects.filter(payment_id=discrepancy.payment_id,
+                                                  status=LedgerDiscrepancy.Status.OPEN).count()
+    record_audit(actor=f"user:{user.get_username()}", action="ledger.discrepancy_resolved",
+                 subject_type="payment", subject_id=discrepancy.payment_id,
+                 data={"discrepancy_id": discrepancy.pk, "kind": discrepancy.kind, "note": note,
+                       "still_open_on_payment": still_open})
+    return discrepancy
+
+
+def open_discrepancy_on(payment_field: str = "pk") -> Exists:
+    """For an annotation: the payment (``OuterRef(payment_field)``) has a difference still open."""
+    return Exists(LedgerDiscrepancy.objects.filter(payment_id=OuterRef(payment_field),
+                                                   status=LedgerDiscrepancy.Status.OPEN))
+
+
+# -- comparing the books ---------------------------------------------------------------------------
+@dataclass
+class PaymentCheck:
+    """One payment's comparison: ``agree``, ``disagree`` (differences raised) or ``unreachable``
+    (its gateway could not be read: nothing was decided about it)."""
+
+    payment_id: str
+    gateway: str
+    outcome: Literal["agree", "disagree", "unreachable"] = "agree"
+    discrepancies: list[LedgerDiscrepancy] = field(default_factory=list)
+    recorded: list[str] = field(default_factory=list)  # refunds made on the gateway directly, now ours
+    error: str = ""
+
+
+@dataclass
+class ReconcileRun:
+    started_at: datetime
+    checks: list[PaymentCheck] = field(default_factory=list)
+
+    @property
+    def checked(self) -> int:
+        return sum(1 for c in self.checks if c.outcome != "unreachable")
+
+    @property
+    def unreachable(self) -> list[PaymentCheck]:
+        return [c for c in self.checks if c.outcome == "unreachable"]
+
+
+def reconcile(*, gateway: str | None = None, since: datetime | None = None,
+              progress: Callable[[PaymentCheck], None] | None = None) -> ReconcileRun:
+    """Compare every payment (of one gateway, and with activity since a moment, if asked) with its
+    gateway's books. A gateway that cannot be read for one payment is counted, never the end of
+    the run."""
+    run = ReconcileRun(started_at=timezone.now())
+    for payment in _payments_to_check(gateway=gateway, since=since):
+        try:
+            check = reconcile_payment(payment)
+        except Exception as exc:  # one payment's surprise must not hide every other payment's books
+            log.exception("reconcile: %s could not be compared", payment.pk)
+            check = PaymentCheck(payment.pk, payment.processor, "unreachable", error=f"{type(exc).__name__}: {exc}")
+        run.checks.append(check)
+        if progress is not None:
+            progress(check)
+    return run
+
+
+def _payments_to_check(*, gateway: str | None, since: datetime | None) -> Iterator[Payment]:
+    payments: QuerySet[Payment] = Payment.objects.order_by("created_at", "pk")
+    if gateway:
+        payments = payments.filter(processor=gateway)
+    if since is not None:
+        touched = Refund.objects.filter(payment_id=OuterRef("pk"), updated_at__gte=since)
+        payments = payments.filter(Q(created_at__gte=since) | Q(captured_at__gte=since) | Exists(touched))
+    return payments.iterator(chunk_size=200)
+
+
+def reconcile_payment(payment: Payment) -> PaymentCheck:
+    """Read the gateway's book of one payment, then compare it with ours under the payment lock."""
+    known = list(payment.refunds.exclude(processor_refund_id="").values_list("processor_refund_id", flat=True))
+    ref = PaymentRef(processor=payment.processor, account=payment.processor_account,
+                     reference=payment.processor_reference, authorization_reference=payment.authorization_reference)
+    read_at = timezone.now()
+    try:
+        book = get_processor(payment.processor, payment.processor_account).fetch_payment_book(
+            ref, known_refund_ids=known)
+    except (ProcessorUnavailable, UnknownProcessor) as exc:
+        return PaymentCheck(payment.pk, payment.processor, "unreachable", error=str(exc))
+    except ProcessorDeclined as exc:
+        if exc.code not in PAYMENT_MISSING_CODES:
+            return PaymentCheck(payment.pk, payment.processor, "unreachable", error=f"{exc.code}: {exc.message}")
+        book = None  # the gateway has no such payment
+    with transaction.atomic():
+        locked = lock_payment(payment.pk)
+        assert locked is not None
+        return _compare(locked, book, read_at=read_at)
+
+
+def _compare(payment: Payment, book: PaymentBook | None, *, read_at: datetime) -> PaymentCheck:
+    check = PaymentCheck(payment.pk, payment.processor)
+    settled_before = read_at - timedelta(seconds=settings.RECONCILE_GRACE_SECONDS)
+
+    def raise_(kind: str, reference: str, *, refund: Refund | None = None, ours: dict[str, Any],
+               theirs: dict[str, Any], detail: str) -> None:
+        check.discrepancies.append(raise_discrepancy(
+            payment=payment, kind=kind, actor=ACTOR, refund=refund, gateway_reference=reference,
+            ours=ours, theirs=theirs, detail=detail))
+
+    ours_captured = {"captured_minor": payment.amount_captured_minor, "currency": payment.currency,
+                     "status": payment.status}
+    if book is None:
+        raise_(Kind.CAPTURE_MISMATCH, payment.processor_reference, ours=ours_captured, theirs={"payment": None},
+               detail=f"{payment.processor} has no payment {payment.processor_reference}.")
+        check.outcome = "disagree"
+        return check
+    capture_in_flight = payment.operations.filter(status=PaymentOperation.Status.PENDING).exists()
+    if not capture_in_flight and (book.captured.amount_minor, book.captured.currency) != (
+            payment.amount_captured_minor, payment.currency):
+        raise_(Kind.CAPTURE_MISMATCH, book.reference, ours=ours_captured,
+               theirs={"captured_minor": book.captured.amount_minor, "currency": book.captured.currency},
+               detail=f"{payment.processor} captured {book.captured}; our ledger says {payment.captured}"
+                      f"{' (a capture we never recorded)' if payment.amount_captured_minor == 0 else ''}.")
+
+    refunds = list(payment.refunds.order_by("created_at", "pk"))
+    by_gateway_id = {r.processor_refund_id: r for r in refunds if r.processor_refund_id}
+    by_id = {r.pk: r for r in refunds}
+    listed = {g.processor_refund_id for g in book.refunds}
+
+    def settled_long_enough(refund: Refund) -> bool:
+        return refund.updated_at < settled_before
+
+    for theirs in book.refunds:
+        gateway_side = _theirs(theirs)
+        mine = by_gateway_id.get(theirs.processor_refund_id)
+        if mine is None and theirs.our_refund_id in by_id:
+            mine = by_id[theirs.our_refund_id]  # ours by the metadata we sent with it
+            if mine.processor_refund_id:  # another attempt of a refund recorded as this one
+                if theirs.status in MONEY_MOVED:
+                    raise_(Kind.PAID_NOT_SETTLED, theirs.processor_refund_id, refund=mine, ours=_ours(mine),
+                           theirs=gateway_side,
+                           detail=f"{payment.processor} paid {theirs.amount} for {mine.pk} a second time "
+                                  f"(our ledger records {mine.processor_refund_id} for it).")
+                continue
+        if mine is None:
+            if theirs.status not in MONEY_MOVED:
+                continue  # failed or canceled at the gateway: no money moved
+            if theirs.our_refund_id:
+                raise_(Kind.UNKNOWN_REFUND, theirs.processor_refund_id, ours={"refund": None}, theirs=gateway_side,
+                       detail=f"{payment.processor} refund {theirs.processor_refund_id} names our refund "
+                              f"{theirs.our_refund_id}, which this payment does not have.")
+            elif _fits(payment, refunds, theirs):
+                recorded = _record_external(payment, theirs)
+                refunds.append(recorded)
+                check.recorded.append(recorded.pk)
+            else:
+                raise_(Kind.UNKNOWN_REFUND, theirs.processor_refund_id, ours=_ledger(payment), theirs=gateway_side,
+                       detail=f"{payment.processor} refund {theirs.processor_refund_id} of {theirs.amount} was "
+                              f"made on the gateway directly and does not fit in what our ledger still has "
+                              f"refundable: refund the difference back or correct our records.")
+            continue
+        ours_side = _ours(mine)
+        if (mine.amount_minor, mine.currency) != (theirs.amount.amount_minor, theirs.amount.currency):
+            raise_(Kind.AMOUNT_MISMATCH, theirs.processor_refund_id, refund=mine, ours=ours_side, theirs=gateway_side,
+                   detail=f"{payment.processor} refunded {theirs.amount} for {mine.pk}; our ledger says {mine.money}.")
+            continue
+        if mine.status in (RefundState.APPROVED, RefundState.SUBMITTED):
+            in_flight = mine.status == RefundState.SUBMITTED or not settled_long_enough(mine)
+            if in_flight or theirs.status not in MONEY_MOVED:
+                continue  # the worker or the sync records the gateway's answer
+            raise_(Kind.PAID_NOT_SETTLED, theirs.processor_refund_id, refund=mine, ours=ours_side, theirs=gateway_side,
+                   detail=f"{payment.processor} paid {theirs.amount} for {mine.pk}, which is still approved here "
+                          f"and no longer being submitted.")
+        elif mine.status == RefundState.SETTLED:
+            if theirs.status in ("failed", "canceled"):
+                raise_(Kind.SETTLED_NOT_PAID, theirs.processor_refund_id, refund=mine, ours=ours_side,
+                       theirs=gateway_side,
+                       detail=f"{mine.pk} is settled here but {theirs.status} at {payment.processor}: the "
+                              f"customer did not get {mine.money}.")
+        elif theirs.status in MONEY_MOVED:  # failed, canceled, denied, … here: counted as not paid
+            raise_(Kind.PAID_NOT_SETTLED, theirs.processor_refund_id, refund=mine, ours=ours_side, theirs=gateway_side,
+                   detail=f"{payment.processor} {'paid' if theirs.status == 'succeeded' else 'is paying'} "
+                          f"{theirs.amount} for {mine.pk}, which is {mine.status} here: our ledger counts "
+                          f"that money as still refundable.")
+
+    for mine in refunds:
+        at_gateway = mine.status in (RefundState.SUBMITTED, RefundState.SETTLED) and mine.processor_refund_id
+        if at_gateway and mine.processor_refund_id not in listed and settled_long_enough(mine):
+            raise_(Kind.SETTLED_NOT_PAID, mine.processor_refund_id, refund=mine, ours=_ours(mine),
+                   theirs={"refund": None},
+                   detail=f"{mine.pk} is {mine.status} here as {payment.processor} refund "
+                          f"{mine.processor_refund_id}, which {payment.processor} does not have.")
+    if check.discrepancies:
+        check.outcome = "disagree"
+    return check
+
+
+def _theirs(refund: GatewayRefund) -> dict[str, Any]:
+    return {"processor_refund_id": refund.processor_refund_id, "amount_minor": refund.amount.amount_minor,
+            "currency": refund.amount.currency, "status": refund.status, "our_refund_id": refund.our_refund_id}
+
+
+def _ours(refund: Refund) -> dict[str, Any]:
+    return {"refund_id": refund.pk, "amount_minor": refund.amount_minor, "currency": refund.currency,
+            "status": refund.status, "processor_refund_id": refund.processor_refund_id}
+
+
+def _ledger(payment: Payment) -> dict[str, Any]:
+    return {"captured_minor": payment.amount_captured_minor, "refunded_minor": payment.amount_refunded_minor,
+            "reserved_minor": payment.amount_reserved_minor, "currency": payment.currency}
+
+
+def _fits(payment: Payment, refunds: list[Refund], theirs: GatewayRefund) -> bool:
+    """Whether a refund made on the gateway directly fits beside ours already at the gateway (ours
+    still waiting to be sent are canceled to make room, as the webhook path does)."""
+    at_gateway = sum(r.amount_minor for r in refunds if r.status in (RefundState.SUBMITTED, RefundState.SETTLED))
+    return (theirs.amount.currency == payment.currency
+            and at_gateway + theirs.amount.amount_minor <= payment.amount_captured_minor)
+
+
+def _record_external(payment: Payment, theirs: GatewayRefund) -> Refund:
+    """As the webhook path records it (whose event was lost, or is still to come)."""
+    from refundops.services.gateway_events import STRIPE_REASONS, record_external_refund  # imports payouts
+
+    event = WebhookEvent(processor=payment.processor, event_id=f"reconcile:{theirs.processor_refund_id}",
+                         type="reconcile", object_id=theirs.processor_refund_id)
+    record_external_refund(payment_id=payment.pk, result=theirs.result, event=event, made_at=theirs.created_at,
+                           reason=STRIPE_REASONS.get(theirs.reason, Reason.CUSTOMER_REQUEST))
+    return Refund.objects.get(payment=payment, processor_refund_id=theirs.processor_refund_id)
+
+
+def discrepancy_json(discrepancy: LedgerDiscrepancy, *, seen_since: datetime | None = None) -> dict[str, Any]:
+    return {"id": discrepancy.pk, "payment_id": discrepancy.payment_id, "refund_id": discrepancy.refund_id,
+            "kind": discrepancy.kind, "gateway": discrepancy.gateway, "account": discrepancy.account,
+            "gateway_reference": discrepancy.gateway_reference, "ours": discrepancy.ours,
+            "theirs": discrepancy.theirs, "detail": discrepancy.detail, "status": discrepancy.status,
+            "detected_at": discrepancy.detected_at.isoformat(), "last_seen_at": discrepancy.last_seen_at.isoformat(),
+            **({"seen_in_this_run": discrepancy.last_seen_at >= seen_since} if seen_since else {})}
+
+
+def open_discrepancies(*, gateway: str | None = None) -> QuerySet[LedgerDiscrepancy]:
+    found = LedgerDiscrepancy.objects.filter(status=LedgerDiscrepancy.Status.OPEN).order_by("detected_at", "pk")
+    return found.filter(gateway=gateway) if gateway else found
