@@ -79,7 +79,12 @@ class InboundEvent(models.Model):
     verified = models.BooleanField(default=False)
     verification_error = models.TextField(blank=True)  # why the signature check failed
     headers = models.JSONField(default=dict, blank=True)
-    payload = models.TextField(blank=True)  # the bytes as received, for the record
+    # The bytes as received, for the record: whole when verified (the gateway signed them), a
+    # prefix of UNVERIFIED_PAYLOAD_PREFIX bytes when not (anyone can send them); with the size and
+    # SHA-256 of all of them either way.
+    payload = models.TextField(blank=True)
+    payload_bytes = models.PositiveIntegerField(default=0)
+    payload_sha256 = models.CharField(max_length=64, blank=True)
     received_at = models.DateTimeField(auto_now_add=True, db_index=True)
     deliveries = models.PositiveIntegerField(default=1)  # how often the gateway sent it
     applied_at = models.DateTimeField(null=True, blank=True)

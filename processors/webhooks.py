@@ -2,7 +2,9 @@
 
 ``/webhooks/<gateway>/`` tries each configured account of the gateway (the one whose secret
 verifies the event is the account it is about); ``/webhooks/<gateway>/<account>/`` names it.
-Answers: 400 for an event that does not verify (recorded, nothing else happens); 200 once a
+Answers: 400 for an event that does not verify (recorded, nothing else happens); 413 for a body
+over ``WEBHOOK_MAX_BODY_BYTES`` or JSON nested past ``WEBHOOK_MAX_JSON_DEPTH`` (recorded, never
+parsed further or verified); 200 once a
 verified event is applied, or when it was applied before (a duplicate delivery); 503 when the
 gateway could not be asked, to verify (PayPal) or to re-read the object, so the gateway retries.
 
@@ -12,7 +14,6 @@ passed in (``apply_event``) where the URLs are wired, in ``refundops.webhook_url
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 
@@ -25,6 +26,7 @@ from django.utils.decorators import method_decorator
 from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 
+from processors.bodies import BodyTooLarge, load_json_body, sha256_hex, storable
 from processors.base import InvalidWebhook, ProcessorDeclined, ProcessorUnavailable, WebhookEvent
 from processors.models import InboundEvent
 from processors.registry import ADAPTERS, UnknownProcessor, get_processor
@@ -37,24 +39,37 @@ KEPT_HEADERS = ("stripe-signature", "sandbox-signature", "paypal-transmission-id
                 "paypal-transmission-sig", "paypal-cert-url", "paypal-auth-algo", "content-type", "user-agent")
 
 
+UNVERIFIED_PAYLOAD_PREFIX = 4096  # bytes of an unverified body kept for the record (with its hash)
+WEBHOOK_MAX_JSON_DEPTH = 64  # gateways' events nest about ten deep
+
+
 def _kept(headers: Mapping[str, str]) -> dict[str, str]:
-    return {name.lower(): value for name, value in headers.items() if name.lower() in KEPT_HEADERS}
+    return {name.lower(): storable(value, 1000) for name, value in headers.items() if name.lower() in KEPT_HEADERS}
 
 
-def _claimed(payload: bytes) -> tuple[str, str]:
+def _claimed(body: object) -> tuple[str, str]:
     """The id and type an unverified event claims, for the record only; never acted on."""
-    try:
-        body = json.loads(payload)
-        return str(body.get("id") or "")[:255], str(body.get("type") or body.get("event_type") or "")[:100]
-    except (ValueError, AttributeError):
+    if not isinstance(body, dict):
         return "", ""
+    return (storable(str(body.get("id") or ""), 255),
+            storable(str(body.get("type") or body.get("event_type") or ""), 100))
 
 
-def record_unverified(*, gateway: str, payload: bytes, headers: Mapping[str, str], error: str) -> InboundEvent:
-    event_id, event_type = _claimed(payload)
+def _payload_fields(payload: bytes, *, limit: int | None = None) -> dict[str, object]:
+    kept = payload if limit is None else payload[:limit]
+    return {"payload": storable(kept.decode("utf-8", "replace"), len(kept)), "payload_bytes": len(payload),
+            "payload_sha256": sha256_hex(payload)}
+
+
+def record_unverified(*, gateway: str, payload: bytes, headers: Mapping[str, str], error: str,
+                      body: object = None, size: int | None = None) -> InboundEvent:
+    """``size``: the whole body's length when only ``payload``, a prefix of it, was read."""
+    event_id, event_type = _claimed(body)
+    fields = _payload_fields(payload, limit=UNVERIFIED_PAYLOAD_PREFIX)
+    if size is not None:
+        fields.update(payload_bytes=size, payload_sha256="")  # the rest was never read: no hash of it
     return InboundEvent.objects.create(processor=gateway, event_id=event_id, type=event_type, verified=False,
-                                       verification_error=error[:2000], headers=_kept(headers),
-                                       payload=payload.decode("utf-8", "replace"))
+                                       verification_error=storable(error, 2000), headers=_kept(headers), **fields)
 
 
 def record_verified(*, event: WebhookEvent, account: str, payload: bytes,
@@ -64,8 +79,7 @@ def record_verified(*, event: WebhookEvent, account: str, payload: bytes,
         with transaction.atomic():
             return InboundEvent.objects.create(
                 processor=event.processor, account=account, event_id=event.event_id, type=event.type,
-                object_id=event.object_id, verified=True, headers=_kept(headers),
-                payload=payload.decode("utf-8", "replace"))
+                object_id=event.object_id, verified=True, headers=_kept(headers), **_payload_fields(payload))
     except IntegrityError:
         InboundEvent.objects.filter(processor=event.processor, event_id=event.event_id, verified=True) \
             .update(deliveries=F("deliveries") + 1)
@@ -83,7 +97,18 @@ class GatewayWebhookView(View):
         accounts = [account] if account else list(settings.PROCESSORS.get(gateway, {}))
         if gateway not in ADAPTERS or not accounts:
             return _answer(404, "unknown_gateway", f"no configured gateway {gateway!r}")
-        payload, headers = request.body, dict(request.headers)
+        headers = dict(request.headers)
+        limit = settings.WEBHOOK_MAX_BODY_BYTES
+        payload = request.read(limit + 1)
+        if len(payload) > limit:
+            size = max(int(request.META.get("CONTENT_LENGTH") or 0), len(payload))
+            return self._too_large(gateway, payload, headers, f"the body is over {limit} bytes", size=size)
+        try:
+            body = load_json_body(payload, max_bytes=limit, max_depth=WEBHOOK_MAX_JSON_DEPTH)
+        except BodyTooLarge as exc:
+            return self._too_large(gateway, payload, headers, str(exc))
+        except (ValueError, UnicodeDecodeError):
+            body = None  # not JSON: the gateway's check below says so, and it is recorded
         failures: list[str] = []
         for candidate in accounts:
             try:
@@ -98,9 +123,17 @@ class GatewayWebhookView(View):
                 return _answer(503, away.code, "could not verify the event now; send it again later",
                                retry_after=away.retry_after)
             return self._accept(event, account=candidate, payload=payload, headers=headers)
-        inbound = record_unverified(gateway=gateway, payload=payload, headers=headers, error="; ".join(failures))
+        inbound = record_unverified(gateway=gateway, payload=payload, headers=headers, error="; ".join(failures),
+                                    body=body)
         log.warning("%s webhook refused (inbound event %s): %s", gateway, inbound.pk, "; ".join(failures))
         return _answer(400, "invalid_signature", "the event's signature did not verify")
+
+    @staticmethod
+    def _too_large(gateway: str, payload: bytes, headers: Mapping[str, str], why: str, *,
+                   size: int | None = None) -> JsonResponse:
+        inbound = record_unverified(gateway=gateway, payload=payload, headers=headers, error=why, size=size)
+        log.warning("%s webhook refused unread (inbound event %s): %s", gateway, inbound.pk, why)
+        return _answer(413, "payload_too_large", f"{why}; events are never this large")
 
     def _accept(self, event: WebhookEvent, *, account: str, payload: bytes,
                 headers: Mapping[str, str]) -> JsonResponse:

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from processors import bodies
 from refundops.models import Reason
 
 MAX_AMOUNT_MINOR = 10**15  # far above any real payment; keeps every sum inside a 64-bit integer
@@ -45,35 +46,10 @@ MAX_BODY_BYTES = 64 * 1024  # far above any valid request; the text fields' limi
 MAX_JSON_DEPTH = 32  # a valid request nests three deep
 
 
-class BodyTooLarge(Exception):
-    """A body over ``MAX_BODY_BYTES`` or nested deeper than ``MAX_JSON_DEPTH``: PAYLOAD_TOO_LARGE."""
-
-
 def load_json_body(raw: bytes | str, *, max_bytes: int = MAX_BODY_BYTES) -> Any:
-    """Parse a request body, refusing one too large or too deeply nested before it costs anything.
-    Raises BodyTooLarge, or ValueError for text that is not JSON."""
-    if len(raw) > max_bytes:
-        raise BodyTooLarge(f"the body is over {max_bytes} bytes")
-    try:
-        data = json.loads(raw)
-    except RecursionError:
-        raise BodyTooLarge(f"JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
-    if _depth_exceeds(data, MAX_JSON_DEPTH):
-        raise BodyTooLarge(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
-    return data
-
-
-def _depth_exceeds(data: Any, limit: int) -> bool:
-    stack = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            value = list(value.values())
-        if isinstance(value, list):
-            if depth > limit:
-                return True
-            stack.extend((item, depth + 1) for item in value)
-    return False
+    """An API or MCP body, parsed within ``MAX_BODY_BYTES`` and ``MAX_JSON_DEPTH``.
+    Raises BodyTooLarge (PAYLOAD_TOO_LARGE), or ValueError for text that is not JSON."""
+    return bodies.load_json_body(raw, max_bytes=max_bytes, max_depth=MAX_JSON_DEPTH)
 
 
 def has_nul(data: Any) -> bool:
@@ -85,6 +61,16 @@ def has_nul(data: Any) -> bool:
     if isinstance(data, list):
         return any(has_nul(v) for v in data)
     return False
+
+
+# Every id we issue is "<prefix>_<hex>" and at most 40 characters (audit.ids.new_id); anything
+# else cannot name a row, and asking PostgreSQL about it costs a query (and a NUL, a 500).
+_ID_SHAPE = re.compile(r"[A-Za-z0-9_.:-]{1,40}")
+
+
+def could_be_id(value: str) -> bool:
+    """Whether ``value`` could be one of our ids: callers answer ``*_NOT_FOUND`` without a query if not."""
+    return _ID_SHAPE.fullmatch(value) is not None
 
 
 def require_object(data: Any) -> Mapping[str, Any]:

@@ -50,7 +50,8 @@ from refundops.access import authenticate_key, require_capability
 from refundops.answers import Answer, error_answer
 from refundops.callers import Caller
 from refundops.errors import ApiError
-from refundops.inputs import ValidationFailed, reject_unknown, text
+from refundops.api.errors import record_refused_body
+from refundops.inputs import MAX_BODY_BYTES, ValidationFailed, reject_unknown, text
 from refundops.models import AgentKey, Capability
 from refundops.ratelimit import check_rate_limits
 from refundops.services import disputes, payments, refunds
@@ -409,7 +410,51 @@ class AgentKeyGuard:
             await response(scope, receive, send)
             return
         scope.setdefault("state", {})[KEY_STATE] = key
-        await self.app(scope, receive, send)
+        body = await _read_capped(receive, headers)
+        if body is None:
+            error = ApiError("PAYLOAD_TOO_LARGE", f"body: over {MAX_BODY_BYTES} bytes; send a smaller request.",
+                             field="body")
+            verdict = await in_django(lambda: record_refused_body(
+                error, key=key, operation=f"{scope.get('method', 'POST')} {MCP_PATH}", idempotency_key="",
+                content_length=headers.get("content-length", "")))
+            error.verdict_id = verdict.id
+            await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+            return
+        await self.app(scope, _replaying(body, receive), send)
+
+
+async def _read_capped(receive: Receive, headers: Headers) -> bytes | None:
+    """The request body, read whole (MCP messages are small), or None past ``MAX_BODY_BYTES``:
+    the SDK would otherwise read any size before parsing it."""
+    length = headers.get("content-length", "")
+    if length and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        return None
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > MAX_BODY_BYTES:
+            return None
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the app: the body already read, then whatever the client sends next."""
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def http_app() -> Starlette:

@@ -30,10 +30,11 @@ from django.conf import settings
 from rest_framework.permissions import SAFE_METHODS
 from rest_framework.throttling import BaseThrottle
 
+from processors.bodies import BodyTooLarge
 from processors.redis_client import redis_client, redis_key
 from refundops.callers import Caller
 from refundops.errors import ApiError
-from refundops.inputs import MAX_BODY_BYTES, BodyTooLarge, load_json_body
+from refundops.inputs import MAX_BODY_BYTES, load_json_body
 from refundops.models import AgentKey
 
 log = logging.getLogger(__name__)

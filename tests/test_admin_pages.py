@@ -176,7 +176,11 @@ def test_staff_refund_from_the_payment_page_goes_through_the_policy_and_a_double
     assert Verdict.objects.filter(deduplicated=True, staff_username="root").count() == 1
 
 
-@pytest.mark.parametrize("amount,error", [("12.345", "2 decimal places"), ("-1", "more than zero"), ("x", "such as")])
+@pytest.mark.parametrize("amount,error", [
+    ("12.345", "2 decimal places"), ("-1", "more than zero"), ("x", "such as"),
+    # Decimal reads these; none is money (each once answered 500).
+    ("Infinity", "such as"), ("-inf", "such as"), ("NaN", "such as"), ("sNaN", "such as"),
+    ("1e999999999", "at most"), ("1e-999999999", "2 decimal places")])
 def test_staff_refund_form_refuses_amounts_that_are_not_money(client, root, amount, error):
     populate()
     payment = Payment.objects.filter(refunds__isnull=True, status="captured").first()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -180,3 +181,23 @@ def test_manage_py_mcp_refuses_to_start_without_a_live_key():
                               text=True, timeout=60, stdin=subprocess.DEVNULL)
         assert done.returncode != 0 and "REFUNDOPS_AGENT_KEY" in done.stderr, done.stderr
         assert done.stdout == ""  # stdout is the protocol channel: nothing else may reach it
+
+
+@pytest.mark.parametrize("body", ["[" * 30_000 + "]" * 30_000, '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", '
+                                  '"params": {"name": "request_refund", "arguments": ' + '{"a":' * 5_000 + "1"
+                                  + "}" * 5_000 + "}}"])
+def test_mcp_over_http_answers_deep_json_with_a_client_error(served, body):
+    raw = make_agent_key()[1]
+    response = httpx2.post(f"{served}/mcp", content=body, timeout=30,
+                           headers={"Authorization": f"Bearer {raw}", "Content-Type": "application/json",
+                                    "Accept": "application/json, text/event-stream"})
+    assert 400 <= response.status_code < 500, response.text[:300]
+
+
+def test_mcp_over_http_refuses_a_body_over_the_cap(served):
+    raw = make_agent_key()[1]
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"pad": "a" * 70_000}})
+    response = httpx2.post(f"{served}/mcp", content=body, timeout=30,
+                           headers={"Authorization": f"Bearer {raw}", "Content-Type": "application/json",
+                                    "Accept": "application/json, text/event-stream"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "PAYLOAD_TOO_LARGE"

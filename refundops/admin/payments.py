@@ -13,11 +13,11 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
-from django.utils import timezone
 
 from audit.admin import HistoryAdmin, ReadOnlyHistoryAdmin, money_or_dash
 from processors.money import currency_exponent, format_minor
 from refundops.callers import Caller
+from refundops.inputs import MAX_AMOUNT_MINOR
 from refundops.models import (
     Customer,
     Dispute,
@@ -76,12 +76,21 @@ def minor_units(text: str, currency: str) -> int:
         major = Decimal(text)
     except InvalidOperation:
         raise forms.ValidationError("Enter an amount such as 19.99.") from None
+    if not major.is_finite():  # Decimal reads "Infinity", "NaN" and "sNaN"; none is money
+        raise forms.ValidationError("Enter an amount such as 19.99.")
     exponent = currency_exponent(currency)
+    # Judged by its exponent first: scaling 1e999999999 overflows, and 1e-999999999 underflows.
+    if major.adjusted() >= len(str(MAX_AMOUNT_MINOR)) - exponent:
+        raise forms.ValidationError(f"The amount must be at most {format_minor(MAX_AMOUNT_MINOR, currency)}.")
+    if major.as_tuple().exponent < -exponent - 20:  # not even trailing zeros run this long
+        raise forms.ValidationError(f"{currency} has {exponent} decimal places.")
     minor = major.scaleb(exponent)
     if minor != minor.to_integral_value():
         raise forms.ValidationError(f"{currency} has {exponent} decimal places.")
     if minor <= 0:
         raise forms.ValidationError("The amount must be more than zero.")
+    if minor > MAX_AMOUNT_MINOR:
+        raise forms.ValidationError(f"The amount must be at most {format_minor(MAX_AMOUNT_MINOR, currency)}.")
     return int(minor)
 
 

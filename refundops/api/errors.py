@@ -21,14 +21,20 @@ def _recorded(err: ApiError, context) -> ApiError:
     request = context.get("request")
     key = getattr(request, "auth", None)
     if err.verdict_id is None and isinstance(key, AgentKey):
-        length = request.META.get("CONTENT_LENGTH") or ""
-        verdict = Verdict.objects.create(
-            **Caller.for_key(key).verdict_fields(), operation=f"{request.method} {request.path}"[:40],
-            outcome=Verdict.Outcome.DENIED, code=err.code, message=err.message,
-            idempotency_key=request.headers.get("Idempotency-Key", "")[:255],
-            request={"content_length": length[:20]})
-        err.verdict_id = verdict.id
+        err.verdict_id = record_refused_body(
+            err, key=key, operation=f"{request.method} {request.path}",
+            idempotency_key=request.headers.get("Idempotency-Key", ""),
+            content_length=request.META.get("CONTENT_LENGTH") or "").id
     return err
+
+
+def record_refused_body(err: ApiError, *, key: AgentKey, operation: str, idempotency_key: str,
+                        content_length: str) -> Verdict:
+    """The verdict for a body refused unread (REST and MCP): who sent how much, never what."""
+    return Verdict.objects.create(
+        **Caller.for_key(key).verdict_fields(), operation=operation[:40].replace("\x00", ""),
+        outcome=Verdict.Outcome.DENIED, code=err.code, message=err.message,
+        idempotency_key=idempotency_key[:255].replace("\x00", ""), request={"content_length": content_length[:20]})
 
 
 def exception_handler(exc, context):

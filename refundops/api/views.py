@@ -9,12 +9,13 @@ from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from processors.bodies import BodyTooLarge
 from refundops.answers import Answer
 from refundops.api import schema
 from refundops.api.schema import KEY_CHECKS, POST_CHECKS
 from refundops.callers import Caller
 from refundops.errors import ApiError
-from refundops.inputs import MAX_BODY_BYTES, BodyTooLarge, has_nul, load_json_body
+from refundops.inputs import MAX_BODY_BYTES, has_nul, load_json_body
 from refundops.models import Capability
 from refundops.ratelimit import AgentRateThrottle
 from refundops.services import disputes, payments, refunds

@@ -33,6 +33,7 @@ from refundops.inputs import (
     AgentContext,
     ValidationFailed,
     agent_context,
+    could_be_id,
     has_nul,
     amount,
     reject_unknown,
@@ -140,9 +141,9 @@ def gateway_failure(exc: ProcessorError | UnknownProcessor) -> tuple[str, str, s
 
 def lookup_payment(*, txn_id: str) -> dict[str, Any]:
     """``GET payments/{txn_id}``: what ``payments.read`` may see."""
-    payment = Payment.objects.filter(pk=txn_id).first()
+    payment = Payment.objects.filter(pk=txn_id).first() if could_be_id(txn_id) else None
     if payment is None:
-        raise ApiError("PAYMENT_NOT_FOUND", f"No payment {txn_id!r}; payment ids start with 'txn_'.")
+        raise ApiError("PAYMENT_NOT_FOUND", f"No payment {txn_id[:40]!r}; payment ids start with 'txn_'.")
     return payment_json(payment)
 
 

@@ -16,7 +16,8 @@ from audit.services import record_audit
 from refundops import breaker, idempotency
 from refundops.answers import Answer, error_answer, suggested_message
 from refundops.callers import Caller
-from refundops.inputs import RefundInput, ValidationFailed, has_nul, parse_refund
+from refundops.errors import ApiError
+from refundops.inputs import RefundInput, ValidationFailed, could_be_id, has_nul, parse_refund
 from refundops.locks import lock_payment, lock_platform
 from refundops.models import RESERVING_STATES, Payment, PlatformState, Refund, RefundState
 from refundops.policy import Decision, RefundAsk, Totals, evaluate_refund, policy_version
@@ -293,10 +294,10 @@ def _check_answer(payment: Payment, decision: Decision, verdict: Verdict, totals
 
 def refund_detail(*, refund_id: str) -> dict[str, Any]:
     """``GET refunds/{id}``: state, amounts, verdict, estimated arrival, a message the agent can say."""
-    refund = Refund.objects.select_related("payment", "verdict").filter(pk=refund_id).first()
+    refund = (Refund.objects.select_related("payment", "verdict").filter(pk=refund_id).first()
+              if could_be_id(refund_id) else None)
     if refund is None:
-        from refundops.errors import ApiError
-        raise ApiError("REFUND_NOT_FOUND", f"No refund {refund_id!r}; refund ids start with 'rf_'.")
+        raise ApiError("REFUND_NOT_FOUND", f"No refund {refund_id[:40]!r}; refund ids start with 'rf_'.")
     body = refund_json(refund)
     body.update({
         "processor_refund_id": refund.processor_refund_id or None,
