@@ -15,7 +15,7 @@ from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.locks import lock_payment, lock_refund
 from refundops.models import Refund, RefundState
-from refundops.services.refunds import sync_payment_amounts
+from refundops.services.refunds import decide_resubmission, sync_payment_amounts
 from refundops.tasks import enqueue_submission
 
 
@@ -79,37 +79,52 @@ def reject_refund(*, refund_id: str, approver, note: str = "") -> Refund:
     return refund
 
 
-@transaction.atomic
 def resubmit_refund(*, refund_id: str, approver, note: str = "") -> Refund:
     """A person sends a refund the gateway failed to it again, as a new attempt (a new gateway
-    idempotency key). Its amount must still fit what the payment can refund."""
-    refund = _locked(refund_id)
-    if refund.status != RefundState.FAILED:
-        raise ApprovalError("REFUND_NOT_FAILED", f"Refund {refund.pk} is {refund.status}; only a failed refund "
-                                                 f"can be sent again.")
-    ensure_approval_authority(approver=approver, refund=refund)
-    if refund.amount_minor > refund.payment.refundable_minor:
-        raise ApprovalError("AMOUNT_EXCEEDS_REFUNDABLE",
-                            f"{format_minor(refund.amount_minor, refund.currency)} no longer fits: only "
-                            f"{format_minor(max(refund.payment.refundable_minor, 0), refund.currency)} is "
-                            f"refundable on {refund.payment_id} now.")
-    refund.resubmit()
-    refund._change_reason = f"resubmitted by {approver.get_username()}" + (f": {note}" if note else "")
-    refund.save()
-    sync_payment_amounts(refund.payment)
-    record_audit(actor=Caller.for_user(approver).label, action="refund.resubmitted", subject_type="refund",
-                 subject_id=refund.pk, data={"note": note, "attempt": refund.submit_attempts},
-                 records=[refund.history.latest()])
-    enqueue_submission(refund.pk, processor=refund.payment.processor)
+    idempotency key). It is a new ask today: decided by the policy again under the same locks as a
+    new refund (payment, then platform), and counted in today's totals. Refused: it stays failed
+    and the refusal's code is raised (its verdict kept); held: it waits for a person's decision."""
+    caller = Caller.for_user(approver)
+    with transaction.atomic():
+        refund = _locked(refund_id)
+        if refund.status != RefundState.FAILED:
+            raise ApprovalError("REFUND_NOT_FAILED", f"Refund {refund.pk} is {refund.status}; only a failed refund "
+                                                     f"can be sent again.")
+        ensure_approval_authority(approver=approver, refund=refund)
+        now = timezone.now()
+        decision, verdict = decide_resubmission(refund=refund, caller=caller, note=note, now=now)
+        if decision.outcome == "denied":
+            record_audit(actor=caller.label, action="refund.resubmit_refused", subject_type="refund",
+                         subject_id=refund.pk, data={"note": note, "code": decision.code, "verdict_id": verdict.pk},
+                         records=[verdict])
+        else:
+            if decision.outcome == "held":
+                refund.resubmit_for_decision(at=now, reasons=decision.hold_reasons)
+            else:
+                refund.resubmit(at=now)
+            refund._change_reason = (f"resubmitted by {approver.get_username()}" + (f": {note}" if note else "")
+                                     + f" (verdict {verdict.pk}: {decision.outcome})")
+            refund.save()
+            sync_payment_amounts(refund.payment)
+            record_audit(actor=caller.label, action="refund.resubmitted", subject_type="refund",
+                         subject_id=refund.pk, data={"note": note, "attempt": refund.submit_attempts,
+                                                     "verdict_id": verdict.pk, "outcome": refund.status,
+                                                     "hold_reasons": refund.hold_reasons},
+                         records=[verdict, refund.history.latest()])
+            if refund.status == RefundState.APPROVED:
+                enqueue_submission(refund.pk, processor=refund.payment.processor)
+    if decision.outcome == "denied":  # raised once the verdict and its audit entry are committed
+        raise ApprovalError(decision.code, decision.message)
     return refund
 
 
 def expire_held_refunds(*, now=None) -> int:
-    """Held refunds nobody decided within HELD_REFUND_EXPIRY_HOURS give their amount back."""
+    """Held refunds nobody decided within HELD_REFUND_EXPIRY_HOURS of being asked for (or resubmitted:
+    counted_at) give their amount back."""
     now = now or timezone.now()
     cutoff = now - timedelta(hours=settings.HELD_REFUND_EXPIRY_HOURS)
     expired = 0
-    for refund_id in Refund.objects.filter(status=RefundState.HELD, created_at__lte=cutoff).values_list("pk", flat=True):
+    for refund_id in Refund.objects.filter(status=RefundState.HELD, counted_at__lte=cutoff).values_list("pk", flat=True):
         with transaction.atomic():
             refund = _locked(refund_id)
             if refund.status != RefundState.HELD:

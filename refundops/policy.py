@@ -246,3 +246,29 @@ def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits |
              limit=rules.velocity_max_refunds, observed=totals.customer_velocity_count,
              inputs={"window_hours": rules.velocity_window_hours, "would_be": would_be})
     return fired
+
+
+# Holds that ask who may approve this amount. A person resubmitting a failed refund has had their
+# authority for it checked (approvals.services.ensure_approval_authority): they are that approval.
+AUTHORITY_HOLDS = ("APPROVAL_REQUIRED", "ABOVE_REQUESTER_AUTHORITY")
+
+
+def evaluate_resubmission(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | None,
+                          rules: HoldRules | None, totals: Totals, now: datetime, approver: str) -> Decision:
+    """A person sends a failed refund again: a new ask today, so every check and limit runs again.
+    Refusals stand; a hold for a risk that arose (dispute, flag, contact change, velocity) waits for
+    a decision; the authority holds are met by the person resubmitting. The kill switch and the
+    breaker pause agents, and a person is acting, as when a person approves a held refund."""
+    decision = evaluate_refund(payment=payment, ask=ask, limits=limits, rules=rules, totals=totals, now=now,
+                               paused=False, breaker_open=False)
+    if decision.outcome != "held":
+        return decision
+    for check in decision.checks:
+        if check.result == "hold" and check.code in AUTHORITY_HOLDS:
+            check.result, check.code = "pass", ""
+            check.message += f" Resubmitted by {approver}, whose authority covers it."
+    decision.hold_reasons = [r for r in decision.hold_reasons if r not in AUTHORITY_HOLDS]
+    if decision.hold_reasons:
+        decision.message = "Held for a person: " + ", ".join(decision.hold_reasons) + "."
+        return decision
+    return Decision("approved", decision.amount_minor, checks=decision.checks)

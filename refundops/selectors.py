@@ -36,27 +36,27 @@ SELECT
   c.day_count, c.day_sum, c.month_count, c.month_sum, c.velocity,
   a.hour_sum, a.day_sum, a.session_sum,
   (SELECT COALESCE(SUM(amount_minor), 0) FROM {refund}
-    WHERE status = ANY(%(states)s) AND currency = %(currency)s AND created_at >= %(day)s
+    WHERE status = ANY(%(states)s) AND currency = %(currency)s AND counted_at >= %(day)s
       AND id <> %(exclude)s)
 FROM
-  (SELECT COUNT(*) FILTER (WHERE r.created_at >= %(day)s) AS day_count,
-          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.created_at >= %(day)s), 0) AS day_sum,
-          COUNT(*) FILTER (WHERE r.created_at >= %(month)s) AS month_count,
-          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.created_at >= %(month)s), 0) AS month_sum,
-          COUNT(*) FILTER (WHERE r.created_at >= %(velocity)s) AS velocity
+  (SELECT COUNT(*) FILTER (WHERE r.counted_at >= %(day)s) AS day_count,
+          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(day)s), 0) AS day_sum,
+          COUNT(*) FILTER (WHERE r.counted_at >= %(month)s) AS month_count,
+          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(month)s), 0) AS month_sum,
+          COUNT(*) FILTER (WHERE r.counted_at >= %(velocity)s) AS velocity
      FROM {payment} p CROSS JOIN LATERAL (
-          SELECT amount_minor, created_at FROM {refund}
+          SELECT amount_minor, counted_at FROM {refund}
            WHERE payment_id = p.id AND status = ANY(%(states)s) AND currency = %(currency)s
-             AND created_at >= LEAST(%(month)s, %(velocity)s) AND id <> %(exclude)s
+             AND counted_at >= LEAST(%(month)s, %(velocity)s) AND id <> %(exclude)s
           OFFSET 0) r
     WHERE p.customer_id = %(customer)s) c,
-  (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE created_at >= %(hour)s), 0) AS hour_sum,
-          COALESCE(SUM(amount_minor) FILTER (WHERE created_at >= %(day)s), 0) AS day_sum,
+  (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE counted_at >= %(hour)s), 0) AS hour_sum,
+          COALESCE(SUM(amount_minor) FILTER (WHERE counted_at >= %(day)s), 0) AS day_sum,
           COALESCE(SUM(amount_minor) FILTER (WHERE %(session)s <> '' AND agent_session_id = %(session)s), 0)
             AS session_sum
      FROM {refund}
     WHERE agent_id = %(agent)s AND status = ANY(%(states)s) AND currency = %(currency)s AND id <> %(exclude)s
-      AND (created_at >= LEAST(%(day)s, %(hour)s) OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
+      AND (counted_at >= LEAST(%(day)s, %(hour)s) OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
 """.format(refund=Refund._meta.db_table, payment=Payment._meta.db_table)
 
 
@@ -86,16 +86,16 @@ def _running_totals_orm(p: dict) -> Totals:
         return Sum("amount_minor", filter=q, default=0)
 
     customer = counting.filter(payment__customer_id=p["customer"],
-                               created_at__gte=min(p["month"], p["velocity"])).aggregate(
-        day_count=Count("id", filter=Q(created_at__gte=p["day"])), day_sum=total(Q(created_at__gte=p["day"])),
-        m_count=Count("id", filter=Q(created_at__gte=p["month"])), m_sum=total(Q(created_at__gte=p["month"])),
-        velocity=Count("id", filter=Q(created_at__gte=p["velocity"])))
+                               counted_at__gte=min(p["month"], p["velocity"])).aggregate(
+        day_count=Count("id", filter=Q(counted_at__gte=p["day"])), day_sum=total(Q(counted_at__gte=p["day"])),
+        m_count=Count("id", filter=Q(counted_at__gte=p["month"])), m_sum=total(Q(counted_at__gte=p["month"])),
+        velocity=Count("id", filter=Q(counted_at__gte=p["velocity"])))
     agent = {"hour": 0, "day": 0, "session": 0}
     if p["agent"]:
         in_session = Q(agent_session_id=p["session"]) if p["session"] else Q(pk__in=[])
-        recent = Q(created_at__gte=min(p["day"], p["hour"]))
+        recent = Q(counted_at__gte=min(p["day"], p["hour"]))
         agent = counting.filter(agent_id=p["agent"]).filter(recent | in_session).aggregate(
-            hour=total(Q(created_at__gte=p["hour"])), day=total(Q(created_at__gte=p["day"])),
+            hour=total(Q(counted_at__gte=p["hour"])), day=total(Q(counted_at__gte=p["day"])),
             session=total(in_session))
     return Totals(
         payment_refund_count=counting.filter(payment_id=p["payment"]).count(),
@@ -103,7 +103,7 @@ def _running_totals_orm(p: dict) -> Totals:
         customer_30d_count=customer["m_count"], customer_30d_minor=customer["m_sum"],
         customer_velocity_count=customer["velocity"], agent_hour_minor=agent["hour"],
         agent_day_minor=agent["day"], session_minor=agent["session"],
-        global_day_minor=counting.filter(created_at__gte=p["day"]).aggregate(s=total(Q()))["s"])
+        global_day_minor=counting.filter(counted_at__gte=p["day"]).aggregate(s=total(Q()))["s"])
 
 
 def payment_json(payment: Payment) -> dict:

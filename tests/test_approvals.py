@@ -126,7 +126,8 @@ def test_held_refunds_expire_after_the_configured_hours_and_give_their_amount_ba
     payment = make_payment(amount=20_000)
     old = held_refund(9_000, payment=payment)
     hours = settings.HELD_REFUND_EXPIRY_HOURS
-    Refund.objects.filter(pk=old.pk).update(created_at=timezone.now() - timedelta(hours=hours, minutes=1))
+    then = timezone.now() - timedelta(hours=hours, minutes=1)
+    Refund.objects.filter(pk=old.pk).update(created_at=then, counted_at=then)
     fresh = held_refund(8_000, payment=payment)
     assert expire_held_refunds() == 1
     old.refresh_from_db()

@@ -43,7 +43,7 @@ def make_refund(payment: Payment, amount: int, *, origin: str = Refund.Origin.EX
                                    reason="customer_request", origin=origin, status=status, agent=agent,
                                    agent_session_id=session_id)
     if ago is not None:
-        Refund.objects.filter(pk=refund.pk).update(created_at=timezone.now() - ago)
+        Refund.objects.filter(pk=refund.pk).update(created_at=timezone.now() - ago, counted_at=timezone.now() - ago)
     sync_payment_amounts(payment)
     return refund
 
@@ -148,7 +148,8 @@ def test_customer_daily_totals_start_at_midnight(api, rules):
     make_limits(customer_daily_amount_minor=10_000, customer_daily_count=1)
     customer = make_customer()
     refund = make_refund(make_payment(customer=customer), 9_000)
-    Refund.objects.filter(pk=refund.pk).update(created_at=start_of_day(timezone.now()) - timedelta(seconds=1))
+    yesterday = start_of_day(timezone.now()) - timedelta(seconds=1)
+    Refund.objects.filter(pk=refund.pk).update(created_at=yesterday, counted_at=yesterday)
     assert_outcome(ask(api, make_payment(customer=customer), 10_000), "approved")
 
 

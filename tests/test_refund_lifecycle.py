@@ -32,14 +32,16 @@ ALLOWED = {
     "settle": {S.SUBMITTED},
     "fail": {S.APPROVED, S.SUBMITTED, S.SETTLED},
     "resubmit": {S.FAILED},
+    "resubmit_for_decision": {S.FAILED},
     "cancel": {S.REQUESTED, S.HELD, S.APPROVED, S.SUBMITTED},
 }
 TARGET = {"approve_automatically": S.APPROVED, "hold": S.HELD, "deny": S.DENIED, "approve": S.APPROVED,
           "reject": S.REJECTED, "expire": S.EXPIRED, "submit": S.SUBMITTED, "settle": S.SETTLED,
-          "fail": S.FAILED, "resubmit": S.APPROVED, "cancel": S.CANCELED}
+          "fail": S.FAILED, "resubmit": S.APPROVED, "resubmit_for_decision": S.HELD, "cancel": S.CANCELED}
 KWARGS = {"hold": {"reasons": ["APPROVAL_REQUIRED"]}, "deny": {"code": "X", "message": "m"},
           "submit": {"processor_refund_id": "sbre_1", "at": None}, "settle": {"at": None},
-          "fail": {"code": "X", "message": "m"}}
+          "fail": {"code": "X", "message": "m"}, "resubmit": {"at": None},
+          "resubmit_for_decision": {"at": None, "reasons": ["PAYMENT_FLAGGED"]}}
 
 def _refund_in(state: str) -> Refund:
     refund = Refund(amount_minor=1, currency="USD", reason="duplicate")

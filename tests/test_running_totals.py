@@ -33,7 +33,8 @@ class TotalsAgree(TestCase):
                                            reason="duplicate", agent=agents[agent_i],
                                            agent_session_id="s1" if in_session else "s2")
             Refund.objects.filter(pk=refund.pk).update(status=status,
-                                                       created_at=now - timedelta(hours=hours_ago))
+                                                       created_at=now - timedelta(hours=hours_ago),
+                                                       counted_at=now - timedelta(hours=hours_ago))
         for payment in payments:
             for agent in (agents[0], None):
                 params = {"exclude": "", "payment": payment.pk, "customer": payment.customer_id,

@@ -184,7 +184,7 @@ class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
                            .values_list("currency", "max_amount_minor"))
         expiry = timedelta(hours=settings.HELD_REFUND_EXPIRY_HOURS)
         rows = [{"refund": r, "amount": format_minor(r.amount_minor, r.currency), "requester": _requester(r),
-                 "authority": _authority_note(r, request.user, authorities), "expires_at": r.created_at + expiry}
+                 "authority": _authority_note(r, request.user, authorities), "expires_at": r.counted_at + expiry}
                 for r in held]
         context = {
             **self.admin_site.each_context(request), "opts": self.opts, "title": "Held refunds",

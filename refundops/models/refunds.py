@@ -7,6 +7,7 @@ from django.db import models
 from django.db.models import Q
 from django.db.models.signals import post_save
 from django.dispatch import receiver
+from django.utils import timezone
 from django_fsm import ConcurrentTransitionMixin, FSMField, transition
 from django_fsm.signals import post_transition
 from simple_history.models import HistoricalRecords
@@ -83,6 +84,9 @@ class Refund(ConcurrentTransitionMixin, models.Model):
     # only the gateway's answer (never a guess of ours) may end this refund.
     gateway_called_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    # When the running totals count it: when it was asked for, or last resubmitted by a person
+    # (a resubmission is a new ask today). External refunds: when the gateway made them.
+    counted_at = models.DateTimeField(default=timezone.now, db_index=True)
     updated_at = models.DateTimeField(auto_now=True)
     submitted_at = models.DateTimeField(null=True, blank=True)
     settled_at = models.DateTimeField(null=True, blank=True)
@@ -150,10 +154,21 @@ class Refund(ConcurrentTransitionMixin, models.Model):
 
     @transition(field=status, source=RefundState.FAILED, target=RefundState.APPROVED,
                 permission="refundops.approve_refund")
-    def resubmit(self) -> None:
+    def resubmit(self, *, at) -> None:
+        self._new_attempt(at)
+
+    @transition(field=status, source=RefundState.FAILED, target=RefundState.HELD,
+                permission="refundops.approve_refund")
+    def resubmit_for_decision(self, *, at, reasons: list[str]) -> None:
+        """Resubmitted, but the policy holds it now (a risk that arose since): a person decides."""
+        self._new_attempt(at)
+        self.hold_reasons = list(reasons)
+
+    def _new_attempt(self, at) -> None:
         self.failure_code, self.failure_message, self.processor_refund_id = "", "", ""
         self.gateway_called_at = None
         self.submit_attempts += 1  # a new gateway idempotency key: this is a new attempt on purpose
+        self.counted_at = at  # counted in today's totals, as a new ask would be
 
     @transition(field=status, source=[RefundState.REQUESTED, RefundState.HELD, RefundState.APPROVED,
                                       RefundState.SUBMITTED], target=RefundState.CANCELED)

@@ -250,8 +250,8 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
         note=f"Made on {payment.processor} directly; learned from event {event.event_id}.")
     refund._change_reason = f"learned from {payment.processor} event {event.event_id}"
     refund.save()
-    if made_at is not None:  # created_at is set on insert; the running totals read it
-        Refund.objects.filter(pk=refund.pk).update(created_at=made_at)
+    if made_at is not None:  # created_at is set on insert; the running totals count it from when it was made
+        Refund.objects.filter(pk=refund.pk).update(created_at=made_at, counted_at=made_at)
     Verdict.objects.filter(pk=verdict.pk).update(refund_id=refund.pk)
     _cancel_what_no_longer_fits(payment, event=event)
     sync_payment_amounts(payment)

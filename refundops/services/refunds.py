@@ -20,13 +20,14 @@ from refundops.errors import ApiError
 from refundops.inputs import RefundInput, ValidationFailed, could_be_id, has_nul, parse_refund
 from refundops.locks import lock_payment, lock_platform
 from refundops.models import RESERVING_STATES, Payment, PlatformState, Refund, RefundState
-from refundops.policy import Decision, RefundAsk, Totals, evaluate_refund, policy_version
+from refundops.policy import Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_version
 from refundops.selectors import active_limits, active_rules, running_totals
 
 log = logging.getLogger(__name__)
 
 CREATE = "refund.create"
 CHECK = "refund.check"
+RESUBMIT = "refund.resubmit"
 
 
 def request_refund(*, caller: Caller, data: Any, idempotency_key: str) -> Answer:
@@ -169,6 +170,28 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     return _created_answer(refund, decision, verdict, payment, totals, limits)
 
 
+def decide_resubmission(*, refund: Refund, caller: Caller, note: str, now: datetime) -> tuple[Decision, Verdict]:
+    """The policy again for a failed refund a person sends again, on today's totals, under the
+    platform lock a new refund takes (the caller holds the payment's lock): resubmissions and new
+    refunds racing for the last of a limit are serialised like any two refunds. Records the verdict."""
+    payment = refund.payment
+    limits, rules = active_limits(payment.currency), active_rules()
+    ask = RefundAsk(amount_minor=refund.amount_minor, reason=refund.reason, destination="original_method",
+                    agent_id=refund.agent_id, session_id=refund.agent_session_id,
+                    requester_authority_minor=caller.refund_authority(payment.currency))
+    lock_platform()
+    totals = running_totals(payment=payment, agent_id=refund.agent_id, session_id=refund.agent_session_id,
+                            now=now, velocity_hours=rules.velocity_window_hours if rules else 24,
+                            exclude_refund_id=refund.pk)
+    decision = evaluate_resubmission(payment=payment, ask=ask, limits=limits, rules=rules, totals=totals, now=now,
+                                     approver=caller.user.get_username())
+    verdict = Verdict(operation=RESUBMIT, payment_id=payment.pk, refund_id=refund.pk, currency=payment.currency,
+                      policy_version=policy_version(limits, rules), request={"refund_id": refund.pk, "note": note},
+                      **caller.verdict_fields())
+    _fill_verdict(verdict, decision, totals).save()
+    return decision, verdict
+
+
 class _Overturned(Exception):
     """The decision taken without the platform lock does not stand under it."""
 
@@ -195,7 +218,7 @@ def _write_refund(*, caller: Caller, payment: Payment, ask: RefundInput, decisio
         agent=caller.agent, agent_key=caller.key, requested_by=caller.user,
         agent_session_id=ask.agent.session_id, agent_model=ask.agent.model,
         agent_reasoning=ask.agent.reasoning, conversation_context=ask.agent.conversation_context,
-        idempotency_key=idempotency_key, verdict_id=verdict.id,
+        idempotency_key=idempotency_key, verdict_id=verdict.id, counted_at=now,
         estimated_arrival=estimate_arrival(payment, now.date()))
     # History names who asked and which verdict moved it (agents are not Django users).
     refund._change_reason = f"requested by {caller.label}"
