@@ -2,7 +2,8 @@
 
 ``/webhooks/<gateway>/`` tries each configured account of the gateway (the one whose secret
 verifies the event is the account it is about); ``/webhooks/<gateway>/<account>/`` names it.
-Answers: 400 for an event that does not verify (recorded, nothing else happens); 413 for a body
+Answers: 429 past ``RATE_LIMIT_WEBHOOK_PER_MINUTE`` deliveries from one address (not recorded);
+400 for an event that does not verify (recorded, nothing else happens); 413 for a body
 over ``WEBHOOK_MAX_BODY_BYTES`` or JSON nested past ``WEBHOOK_MAX_JSON_DEPTH`` (recorded, never
 parsed further or verified); 200 once a
 verified event is applied, or when it was applied before (a duplicate delivery); 503 when the
@@ -34,6 +35,7 @@ from processors.registry import ADAPTERS, UnknownProcessor, get_processor
 log = logging.getLogger(__name__)
 
 ApplyEvent = Callable[..., str]  # (event, *, account) -> what it did, in words
+RetryAfter = Callable[..., "int | None"]  # (*, gateway, source) -> seconds to wait, or None to go on
 # Only these headers are kept with an event: signatures and delivery ids, not cookies or tokens.
 KEPT_HEADERS = ("stripe-signature", "sandbox-signature", "paypal-transmission-id", "paypal-transmission-time",
                 "paypal-transmission-sig", "paypal-cert-url", "paypal-auth-algo", "content-type", "user-agent")
@@ -91,12 +93,19 @@ class GatewayWebhookView(View):
     http_method_names = ["post"]
     gateway: str = ""
     apply_event: ApplyEvent | None = None
+    retry_after: RetryAfter | None = None  # the rate limit per source, wired with apply_event
 
     def post(self, request: HttpRequest, account: str | None = None) -> JsonResponse:
         gateway = self.gateway
         accounts = [account] if account else list(settings.PROCESSORS.get(gateway, {}))
         if gateway not in ADAPTERS or not accounts:
             return _answer(404, "unknown_gateway", f"no configured gateway {gateway!r}")
+        # Before the body is read: a flood of deliveries costs a Redis round trip each, nothing stored.
+        wait = self.retry_after(gateway=gateway, source=request.META.get("REMOTE_ADDR", "")) \
+            if self.retry_after else None
+        if wait:
+            return _answer(429, "rate_limited", "too many deliveries from this address; send them again later",
+                           retry_after=wait)
         headers = dict(request.headers)
         limit = settings.WEBHOOK_MAX_BODY_BYTES
         payload = request.read(limit + 1)

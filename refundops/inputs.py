@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from refundops.models import Reason
 
 MAX_AMOUNT_MINOR = 10**15  # far above any real payment; keeps every sum inside a 64-bit integer
 AGENT_FIELDS = ("session_id", "model", "reasoning", "conversation_context")
+STORED_TEXT_LIMIT = 1000  # characters of one text a verdict keeps; a longer one keeps its length and SHA-256
 TEXT_LIMITS = {"note": 2000, "session_id": 200, "model": 200, "reasoning": 20000,
                "conversation_context": 50000}
 
@@ -66,6 +68,33 @@ def has_nul(data: Any) -> bool:
 # Every id we issue is "<prefix>_<hex>" and at most 40 characters (audit.ids.new_id); anything
 # else cannot name a row, and asking PostgreSQL about it costs a query (and a NUL, a 500).
 _ID_SHAPE = re.compile(r"[A-Za-z0-9_.:-]{1,40}")
+
+
+RECORD_DEPTH = 4  # a refund body nests three deep; what lies deeper is only counted
+RECORD_ITEMS = 50  # fields or list items kept per level
+
+
+def for_the_record(data: Any, *, depth: int = 0) -> Any:
+    """What a verdict keeps of a request: its shape and values, with each text over
+    ``STORED_TEXT_LIMIT`` characters cut to that many and marked with its length and SHA-256, at
+    most ``RECORD_ITEMS`` entries per level and ``RECORD_DEPTH`` levels. Bounded whatever was sent."""
+    if isinstance(data, str):
+        if len(data) <= STORED_TEXT_LIMIT:
+            return data
+        return {"truncated": data[:STORED_TEXT_LIMIT], "length": len(data),
+                "sha256": hashlib.sha256(data.encode("utf-8", "surrogatepass")).hexdigest()}
+    if isinstance(data, (Mapping, list)) and depth >= RECORD_DEPTH:
+        return {"omitted": f"nested deeper than {RECORD_DEPTH} levels"}
+    if isinstance(data, Mapping):
+        items = list(data.items())
+        kept = {str(k)[:100]: for_the_record(v, depth=depth + 1) for k, v in items[:RECORD_ITEMS]}
+        if len(items) > RECORD_ITEMS:
+            kept["…"] = f"{len(items) - RECORD_ITEMS} more fields"
+        return kept
+    if isinstance(data, list):
+        kept = [for_the_record(v, depth=depth + 1) for v in data[:RECORD_ITEMS]]
+        return kept + ([f"{len(data) - RECORD_ITEMS} more items"] if len(data) > RECORD_ITEMS else [])
+    return data
 
 
 def could_be_id(value: str) -> bool:

@@ -34,7 +34,7 @@ from processors.bodies import BodyTooLarge
 from processors.redis_client import redis_client, redis_key
 from refundops.callers import Caller
 from refundops.errors import ApiError
-from refundops.inputs import MAX_BODY_BYTES, load_json_body
+from refundops.inputs import MAX_BODY_BYTES, TEXT_LIMITS, load_json_body
 from refundops.models import AgentKey
 
 log = logging.getLogger(__name__)
@@ -88,27 +88,8 @@ def check_rate_limits(*, caller: Caller, session_id: str | None = None, moves_mo
         return
     now = time.time() if now is None else now
     window = setting("RATE_LIMIT_WINDOW_SECONDS")
-    member = f"{now:.6f}:{secrets.token_hex(4)}"
-    client = redis_client()
     try:
-        pipe = client.pipeline(transaction=True)
-        for scope in scopes:
-            pipe.zremrangebyscore(scope.key, "-inf", now - window)
-            pipe.zadd(scope.key, {member: now})
-            pipe.zcard(scope.key)
-            pipe.zrange(scope.key, 0, 0, withscores=True)
-            pipe.expire(scope.key, window + 1)
-        replies = pipe.execute()
-        over = []
-        for i, scope in enumerate(scopes):
-            count, oldest = replies[i * 5 + 2], replies[i * 5 + 3]
-            if count > scope.limit:
-                over.append((scope, oldest[0][1] + window - now if oldest else window))
-        if over:
-            pipe = client.pipeline(transaction=True)
-            for scope in scopes:
-                pipe.zrem(scope.key, member)
-            pipe.execute()
+        over = _count(scopes, now=now, window=window)
     except redis.RedisError as exc:
         if not moves_money:
             log.warning("rate limits skipped for a lookup: Redis unreachable (%s)", exc)
@@ -124,6 +105,50 @@ def check_rate_limits(*, caller: Caller, session_id: str | None = None, moves_mo
                        headers={"Retry-After": str(retry_after)}, retry_after=retry_after, scope=scope.name)
 
 
+def _count(scopes: list[Scope], *, now: float, window: int) -> list[tuple[Scope, float]]:
+    """Count one request in every scope; the scopes it is over, each with the seconds until it
+    fits again (its entries removed again then). Raises redis.RedisError."""
+    member = f"{now:.6f}:{secrets.token_hex(4)}"
+    client = redis_client()
+    pipe = client.pipeline(transaction=True)
+    for scope in scopes:
+        pipe.zremrangebyscore(scope.key, "-inf", now - window)
+        pipe.zadd(scope.key, {member: now})
+        pipe.zcard(scope.key)
+        pipe.zrange(scope.key, 0, 0, withscores=True)
+        pipe.expire(scope.key, window + 1)
+    replies = pipe.execute()
+    over = []
+    for i, scope in enumerate(scopes):
+        count, oldest = replies[i * 5 + 2], replies[i * 5 + 3]
+        if count > scope.limit:
+            over.append((scope, oldest[0][1] + window - now if oldest else window))
+    if over:
+        pipe = client.pipeline(transaction=True)
+        for scope in scopes:
+            pipe.zrem(scope.key, member)
+        pipe.execute()
+    return over
+
+
+def webhook_retry_after(*, gateway: str, source: str, now: float | None = None) -> int | None:
+    """Count one delivery to ``/webhooks/<gateway>/`` from ``source`` (the client address); the
+    seconds to wait when over ``RATE_LIMIT_WEBHOOK_PER_MINUTE``, else None. Without Redis it
+    admits: events are verified and refusals stored bounded either way, and a gateway must not be
+    refused for our outage."""
+    limit = int(getattr(settings, "RATE_LIMIT_WEBHOOK_PER_MINUTE", 600))
+    if limit <= 0:
+        return None
+    scope = Scope("webhook", redis_key(f"rl:webhook:{gateway}:{_digest(source)}"), limit)
+    window = setting("RATE_LIMIT_WINDOW_SECONDS")
+    try:
+        over = _count([scope], now=time.time() if now is None else now, window=window)
+    except redis.RedisError as exc:
+        log.warning("webhook rate limit skipped: Redis unreachable (%s)", exc)
+        return None
+    return max(1, math.ceil(over[0][1])) if over else None
+
+
 def _session_id_from_body(request) -> str | None:
     """The agent session named in a JSON body, if it parses. The body is validated later (the
     contract checks rate limits before the body), so anything unexpected here just means no
@@ -136,7 +161,10 @@ def _session_id_from_body(request) -> str | None:
         return None
     agent = data.get("agent") if isinstance(data, dict) else None
     session = agent.get("session_id") if isinstance(agent, dict) else None
-    return session if isinstance(session, str) and session else None
+    # One longer than the contract allows is refused when the body is validated: it names no window.
+    if not isinstance(session, str) or not 0 < len(session) <= TEXT_LIMITS["session_id"]:
+        return None
+    return session
 
 
 class AgentRateThrottle(BaseThrottle):

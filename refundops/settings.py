@@ -274,6 +274,9 @@ GATEWAY_BREAKER_THRESHOLD = env.int("GATEWAY_BREAKER_THRESHOLD", default=5)
 GATEWAY_BREAKER_COOLDOWN_SECONDS = env.float("GATEWAY_BREAKER_COOLDOWN_SECONDS", default=30)
 # Inbound gateway events: a body over this is refused (413) before it is parsed or verified.
 WEBHOOK_MAX_BODY_BYTES = env.int("WEBHOOK_MAX_BODY_BYTES", default=512 * 1024)
+# Deliveries per client address and gateway per RATE_LIMIT_WINDOW_SECONDS (0: off). REMOTE_ADDR:
+# behind a proxy that rewrites it, every gateway shares the proxy's budget.
+RATE_LIMIT_WEBHOOK_PER_MINUTE = env.int("RATE_LIMIT_WEBHOOK_PER_MINUTE", default=600)
 WEBHOOK_MAX_ATTEMPTS = env.int("WEBHOOK_MAX_ATTEMPTS", default=10)
 WEBHOOK_BACKOFF_BASE_SECONDS = env.int("WEBHOOK_BACKOFF_BASE_SECONDS", default=10)
 WEBHOOK_BACKOFF_MAX_SECONDS = env.int("WEBHOOK_BACKOFF_MAX_SECONDS", default=21600)

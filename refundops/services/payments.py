@@ -34,6 +34,7 @@ from refundops.inputs import (
     ValidationFailed,
     agent_context,
     could_be_id,
+    for_the_record,
     has_nul,
     amount,
     reject_unknown,
@@ -60,7 +61,7 @@ FollowUp = Callable[[Callable[[Answer], None]], Answer]
 def verdict_base(*, caller: Caller, operation: str, data: Any, idempotency_key: str,
                  path: Mapping[str, str]) -> dict[str, Any]:
     return {"operation": operation, "idempotency_key": idempotency_key,
-            "request": {"path": dict(path), "body": data}, **caller.verdict_fields()}
+            "request": for_the_record({"path": dict(path), "body": data}), **caller.verdict_fields()}
 
 
 def refuse(base: dict[str, Any], code: str, message: str, **extra: Any) -> Answer:

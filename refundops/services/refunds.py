@@ -17,7 +17,7 @@ from refundops import breaker, idempotency
 from refundops.answers import Answer, error_answer, suggested_message
 from refundops.callers import Caller
 from refundops.errors import ApiError
-from refundops.inputs import RefundInput, ValidationFailed, could_be_id, has_nul, parse_refund
+from refundops.inputs import RefundInput, ValidationFailed, could_be_id, for_the_record, has_nul, parse_refund
 from refundops.locks import lock_payment, lock_platform
 from refundops.models import RESERVING_STATES, Payment, PlatformState, Refund, RefundState
 from refundops.policy import Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_version
@@ -43,7 +43,8 @@ def check_refund(*, caller: Caller, data: Any, idempotency_key: str) -> Answer:
 def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -> Answer:
     operation = CHECK if dry_run else CREATE
     base = {"operation": operation, "dry_run": dry_run, "idempotency_key": idempotency_key,
-            "request": data if isinstance(data, dict) else {"body": data}, **caller.verdict_fields()}
+            "request": for_the_record(data if isinstance(data, dict) else {"body": data}),
+            **caller.verdict_fields()}
     if has_nul(data) or has_nul(idempotency_key):
         message = "body: text must not contain NUL (\\u0000) characters"
         verdict = Verdict.objects.create(**{**base, "request": {}, "idempotency_key": ""},
