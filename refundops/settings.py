@@ -131,7 +131,7 @@ CELERY_BEAT_SCHEDULE = {
     "sync-submitted-refunds": {"task": "refundops.tasks.sync_submitted_refunds",
                                "schedule": timedelta(seconds=env.int("SYNC_INTERVAL_SECONDS", default=30))},
     "resubmit-stalled-approved-refunds": {"task": "refundops.tasks.resubmit_stalled_refunds",
-                                          "schedule": timedelta(minutes=5)},
+                                          "schedule": timedelta(minutes=1)},
     "expire-held-refunds": {"task": "approvals.tasks.expire_held_refunds",
                             "schedule": timedelta(minutes=15)},
     "expire-payment-links": {"task": "refundops.tasks.expire_payment_links",
@@ -287,6 +287,14 @@ REFUND_SUBMIT_MAX_RETRIES = env.int("REFUND_SUBMIT_MAX_RETRIES", default=12)
 REFUND_SUBMIT_BACKOFF_BASE_SECONDS = env.int("REFUND_SUBMIT_BACKOFF_BASE_SECONDS", default=5)
 REFUND_SUBMIT_BACKOFF_MAX_SECONDS = env.int("REFUND_SUBMIT_BACKOFF_MAX_SECONDS", default=1800)
 REFUND_FIRST_SYNC_SECONDS = env.int("REFUND_FIRST_SYNC_SECONDS", default=6)
+# How long one worker holds a refund's gateway call before its answer counts as unknown (then the
+# gateway is asked). Longer than any gateway client's timeout (30 s), shorter than the broker's
+# visibility timeout; an approved refund nothing touched for REFUND_STALLED_AFTER_SECONDS is swept.
+GATEWAY_ATTEMPT_LEASE_SECONDS = env.int("GATEWAY_ATTEMPT_LEASE_SECONDS", default=120)
+REFUND_STALLED_AFTER_SECONDS = env.int("REFUND_STALLED_AFTER_SECONDS", default=300)
+if not 30 < GATEWAY_ATTEMPT_LEASE_SECONDS < CELERY_VISIBILITY_TIMEOUT_SECONDS:
+    raise ImproperlyConfigured("GATEWAY_ATTEMPT_LEASE_SECONDS must outlast a gateway call (30 s) and stay "
+                               "below CELERY_VISIBILITY_TIMEOUT_SECONDS")
 # Business days a refund takes to reach the customer, by payment method.
 REFUND_ARRIVAL_DAYS = {"card": 7, "paypal": 3, "bank_transfer": 5, "wallet": 3}
 HELD_REFUND_EXPIRY_HOURS = env.int("HELD_REFUND_EXPIRY_HOURS", default=72)

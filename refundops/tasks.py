@@ -14,7 +14,7 @@ from django.utils import timezone
 from processors.base import ProcessorDeclined, ProcessorUnavailable
 from refundops import outbound
 from refundops.models import Refund, RefundState
-from refundops.services import link_expiry, payouts
+from refundops.services import attempts, link_expiry, payouts
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,15 @@ def enqueue_submission(refund_id: str, *, processor: str | None = None) -> None:
 
 
 def backoff_seconds(attempt: int, *, retry_after: float | None = None) -> float:
-    """Exponential backoff with full jitter, never sooner than the gateway's Retry-After."""
+    """Exponential backoff with full jitter, never sooner than the gateway's Retry-After, and
+    always below the broker's visibility timeout: a task held past it would be handed out again."""
     ceiling = min(settings.REFUND_SUBMIT_BACKOFF_MAX_SECONDS,
                   settings.REFUND_SUBMIT_BACKOFF_BASE_SECONDS * 2 ** attempt)
-    return max(retry_after or 0.0, random.uniform(ceiling / 2, ceiling))
+    return min(max(retry_after or 0.0, random.uniform(ceiling / 2, ceiling)), longest_countdown())
+
+
+def longest_countdown() -> float:
+    return 0.8 * settings.CELERY_VISIBILITY_TIMEOUT_SECONDS
 
 
 @shared_task(bind=True, max_retries=None, acks_late=True)
@@ -56,11 +61,11 @@ def submit_refund(self, *, refund_id: str) -> str:
         status = payouts.submit_refund(refund_id=refund_id).status
     except ProcessorUnavailable as down:
         if self.request.retries >= settings.REFUND_SUBMIT_MAX_RETRIES:
-            # Still approved: the periodic resubmission picks it up when the gateway is back.
+            # Still approved: the sweep of stalled refunds picks it up when the gateway is back.
             log.error("refund %s: gateway still unavailable after %s tries", refund_id, self.request.retries)
             return RefundState.APPROVED
         countdown = backoff_seconds(self.request.retries, retry_after=down.retry_after)
-        log.warning("refund %s: gateway unavailable (%s); retry in %.0fs", refund_id, down.message, countdown)
+        log.warning("refund %s: not paid yet (%s); retry in %.0fs", refund_id, down.message, countdown)
         raise self.retry(countdown=countdown, exc=down) from None
     if status == RefundState.SUBMITTED:  # look again soon; the periodic sync is the safety net
         sync_refund.apply_async(kwargs={"refund_id": refund_id}, countdown=settings.REFUND_FIRST_SYNC_SECONDS)
@@ -76,7 +81,8 @@ def sync_refund(self, *, refund_id: str) -> str:
     except ProcessorUnavailable:
         status = RefundState.SUBMITTED
     if status == RefundState.SUBMITTED and self.request.retries < self.max_retries:
-        raise self.retry(countdown=min(settings.REFUND_FIRST_SYNC_SECONDS * 2 ** (self.request.retries + 1), 3600))
+        raise self.retry(countdown=min(settings.REFUND_FIRST_SYNC_SECONDS * 2 ** (self.request.retries + 1),
+                                        3600, longest_countdown()))
     return status
 
 
@@ -107,12 +113,13 @@ def sync_submitted_refunds(*, older_than_seconds: int | None = None, limit: int 
 
 
 @shared_task
-def resubmit_stalled_refunds(*, older_than_seconds: int = 300, limit: int = 500) -> int:
-    """Approved refunds whose task was lost (broker restart, retries exhausted): submit again.
-    Safe: the gateway idempotency key makes a second submission the same request."""
-    cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
-    ids = list(Refund.objects.filter(status=RefundState.APPROVED, updated_at__lte=cutoff)
-               .values_list("pk", flat=True)[:limit])
+def resubmit_stalled_refunds(*, older_than_seconds: int | None = None, limit: int = 500) -> int:
+    """Approved refunds nothing is working on (their task was lost to a broker restart, or gave up
+    after its retries): submit again. Safe: a refund with a live lease is skipped, and one whose
+    last answer is unknown is looked up at the gateway before it is called again."""
+    if older_than_seconds is None:
+        older_than_seconds = settings.REFUND_STALLED_AFTER_SECONDS
+    ids = attempts.stalled_refund_ids(older_than_seconds=older_than_seconds, limit=limit)
     for refund_id in ids:
         submit_refund.delay(refund_id=refund_id)
     return len(ids)

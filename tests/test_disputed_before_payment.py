@@ -17,8 +17,10 @@ from django.urls import include, path
 from approvals.models import ApprovalAuthority
 from approvals.services import approve_refund
 from audit.models import AuditEntry
-from refundops.models import MerchantEndpoint, Payment, Refund, RefundState, WebhookDelivery
-from refundops.services import payouts
+from django.utils import timezone
+
+from refundops.models import GatewayAttempt, MerchantEndpoint, Payment, Refund, RefundState, WebhookDelivery
+from refundops.services import attempts, payouts
 from tests.conftest import post
 from tests.fakes.fixtures import post_stripe_event, stripe_event, stripe_payment
 from tests.fakes.stripe_server import FakeStripe
@@ -89,19 +91,55 @@ def test_a_refund_approved_automatically_on_an_undisputed_payment_is_paid(api, p
     assert Refund.objects.get(pk=refund.pk).processor_refund_id
 
 
-def test_a_refund_whose_gateway_call_may_have_gone_out_is_not_canceled_but_asked_again(
+def test_a_refund_whose_gateway_call_may_have_gone_out_is_not_canceled_but_looked_up(
+        api, policy, gateways, stripe_fake, settings):
+    settings.PROCESSORS["stripe"]["default"]["timeout"] = 0.5
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund_id = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 2_000,
+                                              "reason": "customer_request"}).json()["refund"]["id"]
+    stripe_fake.set_mode("slow_after", slow_seconds=1.5)  # Stripe pays, the answer never arrives
+    with pytest.raises(payouts.ProcessorUnavailable):
+        payouts.submit_refund(refund_id=refund_id)
+    stripe_fake.set_mode("up")
+    open_dispute(stripe_fake, payment)
+
+    refund = payouts.submit_refund(refund_id=refund_id)  # the retry asks Stripe first
+
+    assert refund.status in (RefundState.SUBMITTED, RefundState.SETTLED)
+    assert stripe_fake.refund_count == 1  # paid once, recorded truly, never canceled on a guess
+
+
+@pytest.mark.django_db
+def test_a_refund_whose_lost_call_the_gateway_never_saw_is_canceled_once_that_is_known(
         api, policy, gateways, stripe_fake):
     payment = stripe_payment(stripe_fake, 5_000)
     refund_id = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 2_000,
                                               "reason": "customer_request"}).json()["refund"]["id"]
     stripe_fake.set_mode("down")
     with pytest.raises(payouts.ProcessorUnavailable):
-        payouts.submit_refund(refund_id=refund_id)  # a call went out: whether money moved is the gateway's to say
+        payouts.submit_refund(refund_id=refund_id)  # a 503: whether money moved is Stripe's to say
     stripe_fake.set_mode("up")
     open_dispute(stripe_fake, payment)
 
-    refund = payouts.submit_refund(refund_id=refund_id)  # the retry
+    refund = payouts.submit_refund(refund_id=refund_id)  # looked up: no refund of ours at Stripe
 
-    assert refund.status in (RefundState.SUBMITTED, RefundState.SETTLED)
-    assert stripe_fake.refund_count == 1  # the same idempotency key: paid once, recorded truly
+    assert refund.status == RefundState.CANCELED
+    assert stripe_fake.refund_count == 0
+    assert AuditEntry.objects.filter(subject_id=refund_id, action="refund.attempt_absent").exists()
+
+
+@pytest.mark.django_db
+def test_a_dispute_while_a_call_is_in_flight_is_audited_not_guessed(api, policy, gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund_id = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 2_000,
+                                              "reason": "customer_request"}).json()["refund"]["id"]
+    refund = Refund.objects.get(pk=refund_id)
+    GatewayAttempt.objects.create(refund=refund, idempotency_key=attempts.idempotency_key(refund),
+                                  outcome=GatewayAttempt.Outcome.SUCCEEDED,
+                                  lease_until=timezone.now())
+    open_dispute(stripe_fake, payment)
+
+    refund = payouts.cancel_if_disputed_since_approval(refund_id=refund_id)
+
+    assert refund.status == RefundState.APPROVED
     assert AuditEntry.objects.filter(subject_id=refund_id, action="refund.disputed_in_flight").exists()

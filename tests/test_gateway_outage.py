@@ -36,6 +36,11 @@ def refund_calls(fake: FakeStripe) -> int:
         return sum(1 for r in fake.received if r.method == "POST" and r.path == "/v1/refunds")
 
 
+def gateway_calls(fake: FakeStripe) -> int:
+    with fake.lock:
+        return len(fake.received)
+
+
 @pytest.fixture
 def quick_breaker(settings):
     settings.GATEWAY_BREAKER_THRESHOLD = 3
@@ -52,12 +57,13 @@ def test_the_breaker_stops_calling_a_gateway_after_repeated_unavailable_answers(
         with pytest.raises(ProcessorUnavailable) as down:
             payouts.submit_refund(refund_id=refund.pk)
         assert down.value.code != "gateway_circuit_open"
-    assert refund_calls(stripe_fake) == 3
+    # The first call's answer is unknown (a 503 may follow an act), so the next two look it up first.
+    assert (refund_calls(stripe_fake), gateway_calls(stripe_fake)) == (1, 3)
 
     with pytest.raises(payouts.CircuitOpen) as resting:
         payouts.submit_refund(refund_id=refund.pk)
 
-    assert refund_calls(stripe_fake) == 3  # not called
+    assert gateway_calls(stripe_fake) == 3  # not called
     assert 0 < resting.value.retry_after <= 60
     assert breaker.state("stripe", "default").phase == "open"
     refund.refresh_from_db()
@@ -194,7 +200,7 @@ def test_a_slow_gateway_that_answered_after_we_gave_up_is_not_paid_twice(setting
 
     wait_for(lambda: Refund.objects.filter(pk__in=ids, status=S.SETTLED).count() == 3, what="all settled")
     assert stripe_fake.refund_count == 3
-    assert refund_calls(stripe_fake) > 3  # the retries reached Stripe, and were answered from its key store
+    assert refund_calls(stripe_fake) == 3  # the retries looked the refunds up rather than asking again
 
 
 @pytest.mark.django_db(transaction=True)

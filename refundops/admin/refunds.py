@@ -24,10 +24,11 @@ from processors.money import currency_exponent, format_minor
 from refundops import reports
 from refundops.errors import ApiError
 from refundops.models import (
+    GatewayAttempt,
     Refund,
     RefundState,
 )
-from refundops.admin.base import RowLinks, _safe_next
+from refundops.admin.base import ReadOnlyInline, RowLinks, _safe_next
 
 
 # -- refunds, the held queue and the dashboard ------------------------------------------------------
@@ -63,8 +64,19 @@ def _authority_note(refund: Refund, user, authorities: dict[str, int]) -> str:
     return "within your authority"
 
 
+class GatewayAttemptInline(ReadOnlyInline, admin.TabularInline):
+    """Each call to the gateway for this refund: who held it, how it ended, what the gateway said."""
+
+    model = GatewayAttempt
+    fields = readonly_fields = ["started_at", "outcome", "worker", "lease_until", "finished_at",
+                                "processor_refund_id", "error_code", "error_message", "idempotency_key"]
+    show_change_link = False
+    verbose_name_plural = "gateway attempts"
+
+
 @admin.register(Refund)
 class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
+    inlines = [GatewayAttemptInline]
     ordering = ["-created_at"]
     list_display = ["id", "amount", "status", "reason", "origin", "requester", "hold_reasons", "payment_link",
                     "customer", "verdict_link", "created_at"]

@@ -4,6 +4,7 @@ hold rules, the platform's switches), links (payment links, disputes) and webhoo
 endpoints and deliveries). Everything is importable from ``refundops.models``."""
 
 from refundops.models.agents import Agent, AgentKey, Capability, new_agent_id
+from refundops.models.attempts import GatewayAttempt, new_gateway_attempt_id
 from refundops.models.controls import HoldRules, PlatformState, RefundLimits
 from refundops.models.links import (
     Dispute,
@@ -38,9 +39,9 @@ from refundops.models.webhooks import MerchantEndpoint, WebhookDelivery, new_del
 
 __all__ = [
     "COUNTING_STATES", "RESERVING_STATES", "Agent", "AgentKey", "Capability", "Customer", "Dispute",
-    "DisputeEvidenceDraft", "GatewayCustomer", "HoldRules", "LedgerDiscrepancy", "IdempotencyRecord", "MerchantEndpoint", "Payment",
+    "DisputeEvidenceDraft", "GatewayAttempt", "GatewayCustomer", "HoldRules", "LedgerDiscrepancy", "IdempotencyRecord", "MerchantEndpoint", "Payment",
     "PaymentLink", "PaymentLinkTemplate", "PaymentOperation", "PlatformState", "Reason", "Refund", "RefundLimits",
     "RefundState", "WebhookDelivery", "new_agent_id", "new_customer_id", "new_discrepancy_id", "new_delivery_id", "new_dispute_id",
-    "new_endpoint_id", "new_evidence_draft_id", "new_link_template_id", "new_payment_id", "new_payment_link_id",
+    "new_endpoint_id", "new_evidence_draft_id", "new_gateway_attempt_id", "new_link_template_id", "new_payment_id", "new_payment_link_id",
     "new_payment_operation_id", "new_refund_id", "new_webhook_secret",
 ]

@@ -79,10 +79,9 @@ class Refund(ConcurrentTransitionMixin, models.Model):
     estimated_arrival = models.DateField(null=True, blank=True)
     failure_code = models.CharField(max_length=60, blank=True)
     failure_message = models.TextField(blank=True)
+    # Moves when a person resubmits a failed refund: a new gateway idempotency key. Each gateway
+    # call itself is a GatewayAttempt (refundops.models.attempts).
     submit_attempts = models.PositiveIntegerField(default=0)
-    # Set before the first gateway call of an attempt: from then on the money may have left, so
-    # only the gateway's answer (never a guess of ours) may end this refund.
-    gateway_called_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     # When the running totals count it: when it was asked for, or last resubmitted by a person
     # (a resubmission is a new ask today). External refunds: when the gateway made them.
@@ -166,9 +165,15 @@ class Refund(ConcurrentTransitionMixin, models.Model):
 
     def _new_attempt(self, at) -> None:
         self.failure_code, self.failure_message, self.processor_refund_id = "", "", ""
-        self.gateway_called_at = None
         self.submit_attempts += 1  # a new gateway idempotency key: this is a new attempt on purpose
         self.counted_at = at  # counted in today's totals, as a new ask would be
+
+    @transition(field=status, source=[RefundState.FAILED, RefundState.CANCELED], target=RefundState.SUBMITTED)
+    def reinstate(self, *, processor_refund_id: str, at) -> None:
+        """The gateway paid it after all (a late answer, a duplicate's decline taken for the answer):
+        its money left, so it counts again. Only the gateway's word moves a refund this way."""
+        self.failure_code, self.failure_message = "", ""
+        self.processor_refund_id, self.submitted_at = processor_refund_id, at
 
     @transition(field=status, source=[RefundState.REQUESTED, RefundState.HELD, RefundState.APPROVED,
                                       RefundState.SUBMITTED], target=RefundState.CANCELED)

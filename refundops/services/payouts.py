@@ -1,8 +1,9 @@
-"""Paying an approved refund through its gateway, and recording what the gateway says.
+"""Paying an approved refund through its gateway, once, and recording what the gateway says.
 
-Never a row lock across a network call: decide and commit, call the gateway with an idempotency
-key derived from the refund id (so a retry, or a worker that died after the call, is the same
-request and cannot pay twice), then record the answer in a second short transaction.
+Never a row lock across a network call: decide and open a gateway attempt (a row with a lease) and
+commit, call the gateway with an idempotency key derived from the refund (so a retry is the same
+request), then record the answer in a second short transaction. A call whose answer never came is
+looked up at the gateway before anything else is decided (``services/attempts.py``).
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ from processors.base import (
 )
 from processors.registry import get_processor
 from refundops.locks import lock_payment, lock_refund
-from refundops.models import Refund, RefundState
+from refundops.models import GatewayAttempt, LedgerDiscrepancy, Refund, RefundState
+from refundops.services import attempts
+from refundops.services.reconciliation import raise_discrepancy
 from refundops.services.refunds import sync_payment_amounts
 
 log = logging.getLogger(__name__)
 WORKER = "system:worker"
+Outcome = GatewayAttempt.Outcome
+gateway_idempotency_key = attempts.idempotency_key
 T = TypeVar("T")
 
 
@@ -62,11 +67,6 @@ def call_gateway(gateway: str, account: str, call: Callable[[], T]) -> T:
     return result
 
 
-def gateway_idempotency_key(refund: Refund) -> str:
-    # submit_attempts moves only when a person resubmits a failed refund: a new attempt on purpose.
-    return f"refundops:{refund.pk}:{refund.submit_attempts}"
-
-
 def payment_ref(payment) -> PaymentRef:
     return PaymentRef(processor=payment.processor, account=payment.processor_account,
                       reference=payment.processor_reference,
@@ -74,36 +74,99 @@ def payment_ref(payment) -> PaymentRef:
 
 
 def submit_refund(*, refund_id: str) -> Refund:
-    """Send one approved refund to its gateway. Raises ProcessorUnavailable to be retried later."""
-    refund = cancel_if_disputed_since_approval(refund_id=refund_id)
+    """Send one approved refund to its gateway, once. Raises ProcessorUnavailable (or RetryLater)
+    to be retried later; the refund then stays approved.
+
+    An earlier call whose answer is unknown is looked up at the gateway first; then the refund is
+    canceled if it may no longer be paid; then one attempt, under a lease, calls the gateway."""
+    refund = Refund.objects.select_related("payment").get(pk=refund_id)
     if refund.status != RefundState.APPROVED:
         return refund  # already submitted, settled, failed or canceled: nothing to do
-    if refund.gateway_called_at is None:
-        refund.gateway_called_at = timezone.now()
-        Refund.objects.filter(pk=refund.pk).update(gateway_called_at=refund.gateway_called_at)
+    if attempts.unresolved(refund):
+        refund = resolve_unknown_attempts(refund_id=refund_id)
+        if refund.status != RefundState.APPROVED:
+            return refund
+    attempt, refund = _open_attempt(refund_id)
+    if attempt is None:
+        return refund
     processor = get_processor(refund.payment.processor, refund.payment.processor_account)
     request = RefundRequest(payment=payment_ref(refund.payment), amount=refund.money, reason=refund.reason,
-                            idempotency_key=gateway_idempotency_key(refund), refund_id=refund.pk,
+                            idempotency_key=attempt.idempotency_key, refund_id=refund.pk,
                             verdict_id=refund.verdict_id or "")
     try:
         result = call_gateway(processor.name, processor.account, lambda: processor.refund(request))
+    except CircuitOpen:
+        attempts.close_attempt(attempt, Outcome.NOT_SENT, code="gateway_circuit_open")
+        raise
+    except ProcessorUnavailable as down:  # it may have reached the gateway: ask before anything else
+        attempts.close_attempt(attempt, Outcome.UNKNOWN, code=down.code, message=down.message)
+        raise
     except ProcessorDeclined as declined:
-        return record_gateway_failure(refund_id=refund.pk, code=declined.code, message=declined.message)
-    return record_gateway_result(refund_id=refund.pk, result=result)
+        return record_gateway_decline(attempt=attempt, code=declined.code, message=declined.message)
+    except BaseException as crash:  # a bug or a kill between call and answer: unknown, never "not paid"
+        attempts.close_attempt(attempt, Outcome.UNKNOWN, code="worker_error", message=repr(crash)[:500])
+        raise
+    return record_gateway_result(refund_id=refund.pk, result=result, attempt=attempt)
+
+
+@transaction.atomic
+def _open_attempt(refund_id: str) -> tuple[GatewayAttempt | None, Refund]:
+    """The last look before paying, under the refund's lock, and the attempt that pays it."""
+    refund = _cancel_if_disputed(_lock(refund_id))
+    if refund.status != RefundState.APPROVED:
+        return None, refund
+    return attempts.open_attempt(refund), refund
+
+
+def resolve_unknown_attempts(*, refund_id: str) -> Refund:
+    """Ask the gateway what became of calls whose answer we never recorded: the payment's refunds,
+    found by our refund id in their metadata. Found: the refund is recorded as the gateway has it.
+    Not found: those calls never made a refund, and a new call (same key) may go."""
+    refund = Refund.objects.select_related("payment").get(pk=refund_id)
+    if not attempts.unresolved(refund):
+        return refund
+    processor = get_processor(refund.payment.processor, refund.payment.processor_account)
+    book = call_gateway(processor.name, processor.account,
+                        lambda: processor.fetch_payment_book(payment_ref(refund.payment)))
+    # Gateway refunds of this refund that earlier submissions (failed, then resubmitted) made are not news.
+    earlier = set(refund.attempts.exclude(idempotency_key=attempts.idempotency_key(refund))
+                  .exclude(processor_refund_id="").values_list("processor_refund_id", flat=True))
+    found = [r for r in book.refunds if r.our_refund_id == refund.pk and r.processor_refund_id not in earlier
+             and r.status in ("pending", "succeeded")]
+    with transaction.atomic():
+        refund = _lock(refund_id)
+        if not attempts.unresolved(refund):
+            return refund  # another worker resolved them meanwhile
+        if not found:
+            attempts.settle_unresolved(refund, Outcome.ABSENT, why="looked up: the gateway has no refund for it")
+            record_audit(actor=WORKER, action="refund.attempt_absent", subject_type="refund", subject_id=refund.pk,
+                         data={"looked_up": len(book.refunds), "verdict_id": refund.verdict_id})
+            return refund
+        first = found[0]
+        attempts.settle_unresolved(refund, Outcome.SUCCEEDED, processor_refund_id=first.processor_refund_id,
+                                   why="looked up: the gateway made this refund")
+        refund = record_gateway_result(refund_id=refund_id, result=first.result)
+        for twin in found[1:]:  # the same refund paid twice: only a person can undo that
+            record_gateway_result(refund_id=refund_id, result=twin.result)
+    return refund
 
 
 @transaction.atomic
 def cancel_if_disputed_since_approval(*, refund_id: str) -> Refund:
+    return _cancel_if_disputed(_lock(refund_id))
+
+
+def _cancel_if_disputed(refund: Refund) -> Refund:
     """The last look before paying: a refund no person approved is not paid on a payment whose
     dispute is open, since losing the dispute would pay the customer twice. The policy holds
     new refunds on disputed payments for a person; this catches a dispute that opened between
-    the automatic approval and the payment. A refund a person approved is theirs to answer for."""
-    refund = _lock(refund_id)
+    the automatic approval and the payment. A refund a person approved is theirs to answer for.
+    The caller holds the refund's lock."""
     if refund.status != RefundState.APPROVED or not refund.payment.is_disputed or approved_by_a_person(refund):
         return refund
-    if refund.gateway_called_at is not None:
-        # An earlier attempt may have paid it (a worker that died mid-call): only the gateway knows,
-        # and asking again with the same idempotency key cannot pay twice. Alert rather than guess.
+    if attempts.may_be_at_gateway(refund):
+        # An earlier call may have paid it: only the gateway knows, and asking again with the
+        # same idempotency key cannot pay twice. Alert rather than guess.
         record_audit(actor=WORKER, action="refund.disputed_in_flight", subject_type="refund",
                      subject_id=refund.pk, data={"processor_dispute_id": refund.payment.dispute_reference})
         return refund
@@ -131,17 +194,34 @@ def approved_by_a_person(refund: Refund) -> bool:
 
 
 @transaction.atomic
-def record_gateway_result(*, refund_id: str, result: RefundResult) -> Refund:
-    """Apply what the gateway says of one refund. Idempotent: the same answer twice changes nothing."""
+def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: GatewayAttempt | None = None) -> Refund:
+    """Apply what the gateway says of one refund. Idempotent: the same answer twice changes nothing.
+    A gateway refund that paid money is never dropped: it settles the refund whatever we thought
+    of it, or, where our ledger cannot take it, it is raised to a person. The ``attempt`` that got
+    this answer is closed in the same transaction, so no worker sees it closed and the refund unpaid."""
     refund = _lock(refund_id)
+    if attempt is not None:
+        attempts.close_attempt(attempt, Outcome.SUCCEEDED, processor_refund_id=result.processor_refund_id)
+    paid = result.status in ("pending", "succeeded")
     if refund.processor_refund_id and refund.processor_refund_id != result.processor_refund_id:
-        # News of an earlier attempt (failed, then resubmitted by a person): not this one's.
-        log.info("refund %s: ignoring %s, it is now %s", refund.pk, result.processor_refund_id,
-                 refund.processor_refund_id)
+        if paid:  # a second gateway refund for one refund of ours: paid twice
+            _raise_paid_not_settled(refund, result, why="a second gateway refund for this refund")
+        else:  # news of an earlier submission that failed (then a person resubmitted): not this one's
+            log.info("refund %s: ignoring %s (%s), it is now %s", refund.pk, result.processor_refund_id,
+                     result.status, refund.processor_refund_id)
         return refund
     now = timezone.now()
     before = refund.status
-    if refund.status == RefundState.APPROVED and result.status in ("pending", "succeeded"):
+    if refund.status in (RefundState.FAILED, RefundState.CANCELED) and paid:
+        if not _fits(refund):
+            _raise_paid_not_settled(refund, result, why=f"the gateway paid a refund we recorded {refund.status}, "
+                                                        f"and the payment has no room left to take it back")
+            return refund
+        refund.reinstate(processor_refund_id=result.processor_refund_id, at=now)
+        _save(refund, f"gateway paid {result.processor_refund_id} after we recorded it {before}")
+        log.error("refund %s: the gateway paid it (%s) after we recorded it %s; reinstated",
+                  refund.pk, result.processor_refund_id, before)
+    if refund.status == RefundState.APPROVED and paid:
         refund.submit(processor_refund_id=result.processor_refund_id, at=now)
         _save(refund, f"gateway accepted {result.processor_refund_id}")
     if refund.status == RefundState.SUBMITTED and result.status == "succeeded":
@@ -159,25 +239,63 @@ def record_gateway_result(*, refund_id: str, result: RefundResult) -> Refund:
         sync_payment_amounts(refund.payment)
         gateway_response = {**asdict(result), "amount": asdict(result.amount)}
         Verdict.objects.filter(pk=refund.verdict_id).update(gateway_response=gateway_response)
-        record_audit(actor=WORKER, action=f"refund.{refund.status}", subject_type="refund", subject_id=refund.pk,
-                     data={"from": before, "processor_refund_id": result.processor_refund_id,
+        action = "refund.reinstated" if before in (RefundState.FAILED, RefundState.CANCELED) else f"refund.{refund.status}"
+        record_audit(actor=WORKER, action=action, subject_type="refund", subject_id=refund.pk,
+                     data={"from": before, "to": refund.status, "processor_refund_id": result.processor_refund_id,
                            "verdict_id": refund.verdict_id, "gateway": gateway_response},
                      records=[refund.history.latest()])
     return refund
 
 
+def _fits(refund: Refund) -> bool:
+    """Whether the payment can take this refund back into its ledger (the caller holds the lock)."""
+    payment = refund.payment
+    sync_payment_amounts(payment)
+    room = payment.amount_captured_minor - payment.amount_refunded_minor - payment.amount_reserved_minor
+    return refund.amount_minor <= room
+
+
+def _raise_paid_not_settled(refund: Refund, result: RefundResult, *, why: str) -> None:
+    raise_discrepancy(payment=refund.payment, kind=LedgerDiscrepancy.Kind.PAID_NOT_SETTLED, actor=WORKER,
+                      refund=refund, gateway_reference=result.processor_refund_id,
+                      ours={"refund_id": refund.pk, "status": refund.status,
+                            "processor_refund_id": refund.processor_refund_id, "amount": refund.amount_minor},
+                      theirs={"processor_refund_id": result.processor_refund_id, "status": result.status,
+                              "amount": result.amount.amount_minor, "currency": result.amount.currency},
+                      detail=f"Refund {refund.pk}: {why}. Money left through {result.processor_refund_id}.")
+
+
+def record_gateway_decline(*, attempt: GatewayAttempt, code: str, message: str) -> Refund:
+    """The gateway refused this attempt. It fails the refund only when no other call of it may
+    have paid: a decline of a duplicate says nothing of the call that went first."""
+    with transaction.atomic():
+        refund = _lock(attempt.refund_id)
+        attempts.close_attempt(attempt, Outcome.DECLINED, code=code, message=message)
+        if refund.status == RefundState.APPROVED and attempts.may_be_at_gateway(refund):
+            record_audit(actor=WORKER, action="refund.decline_set_aside", subject_type="refund",
+                         subject_id=refund.pk, data={"code": code, "message": message, "attempt_id": attempt.pk})
+            raise_later = True
+        else:
+            raise_later = False
+    if raise_later:  # look the other call up before anything is decided
+        raise attempts.RetryLater(f"refund {refund.pk}: declined ({code}) while another call may have paid it",
+                                  retry_after=0)
+    return record_gateway_failure(refund_id=attempt.refund_id, code=code, message=message)
+
+
 @transaction.atomic
 def record_gateway_failure(*, refund_id: str, code: str, message: str) -> Refund:
+    """A refused submission fails an approved refund, and only that: a submitted or settled one
+    is the gateway's to fail (its webhook or sync), never a worker's decline."""
     refund = _lock(refund_id)
-    if refund.status not in (RefundState.APPROVED, RefundState.SUBMITTED):
+    if refund.status != RefundState.APPROVED or attempts.may_be_at_gateway(refund):
         return refund
-    before = refund.status
     refund.fail(code=code, message=message)
     _save(refund, f"gateway declined: {code}")
     sync_payment_amounts(refund.payment)
     Verdict.objects.filter(pk=refund.verdict_id).update(gateway_response={"declined": code, "message": message})
     record_audit(actor=WORKER, action="refund.failed", subject_type="refund", subject_id=refund.pk,
-                 data={"from": before, "code": code, "message": message, "verdict_id": refund.verdict_id},
+                 data={"from": RefundState.APPROVED, "code": code, "message": message, "verdict_id": refund.verdict_id},
                  records=[refund.history.latest()])
     return refund
 

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
-Mode = Literal["up", "down", "unreachable", "rate_limited", "slow"]
+Mode = Literal["up", "down", "unreachable", "rate_limited", "slow", "slow_after"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class FakeGateway:
         self.retry_after = 1
         self.slow_seconds = 2.0
         self.received: list[Request] = []  # every request, for assertions on the wire format
+        self._in_flight: set[str] = set()  # idempotency keys whose first request is still answering
         self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -89,7 +90,9 @@ class FakeGateway:
     def set_mode(self, mode: Mode, *, retry_after: int | None = None,
                  slow_seconds: float | None = None) -> None:
         """``down``: 503; ``unreachable``: the connection closes unanswered; ``rate_limited``: 429
-        with ``Retry-After``; ``slow``: answers only after ``slow_seconds``."""
+        with ``Retry-After``; ``slow``: answers only after ``slow_seconds``; ``slow_after``: acts at
+        once and answers only after ``slow_seconds`` (a client that times out never hears that the
+        gateway acted). Meanwhile a request with the same idempotency key is told it is in use."""
         with self.lock:
             self.mode = mode
             if retry_after is not None:
@@ -107,6 +110,14 @@ class FakeGateway:
 
     def rate_limited(self) -> Response:
         """The gateway's own 429 answer (without ``Retry-After``; added here)."""
+        raise NotImplementedError
+
+    def idempotency_key(self, request: Request) -> str | None:
+        """The request's idempotency key, where the gateway has them."""
+        return None
+
+    def key_in_use(self) -> Response:
+        """The gateway's answer to a request whose key another request is still using."""
         raise NotImplementedError
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -130,8 +141,18 @@ class FakeGateway:
             response = self.rate_limited()
             response.headers["Retry-After"] = str(self.retry_after)
         else:
+            key = self.idempotency_key(request)
             with self.lock:  # one request at a time: the fakes' state is plain dicts
-                response = self.handle(request)
+                if key is not None and key in self._in_flight:
+                    response = self.key_in_use()
+                else:
+                    response = self.handle(request)
+                    if mode == "slow_after" and key is not None:
+                        self._in_flight.add(key)
+            if mode == "slow_after":
+                self._stopping.wait(self.slow_seconds)
+                with self.lock:
+                    self._in_flight.discard(key)
         try:
             handler.send_response(response.status)
             for name, value in response.headers.items():

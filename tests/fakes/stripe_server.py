@@ -275,6 +275,19 @@ class FakeStripe(FakeGateway):
                             "https://stripe.com/docs/rate-limits.", code="rate_limit")
 
     # -- dispatch --------------------------------------------------------------------------------
+    def idempotency_key(self, request: Request) -> str | None:
+        return request.header("Idempotency-Key") if request.method == "POST" else None
+
+    def key_in_use(self) -> Response:
+        # Stripe's answer while another request with the same key is still being processed.
+        return stripe_error(409, "There is currently another in-progress request using this Stripe-Idempotency-Key. "
+                            "Please try again later.", code="idempotency_key_in_use")
+
+    def forget_idempotency_keys(self) -> None:
+        """Stripe keeps keys 24 hours: after that, a request with an old key is a new request."""
+        with self.lock:
+            self._idempotency.clear()
+
     def handle(self, request: Request) -> Response:
         if self._refuse_next is not None:
             after, refusal = self._refuse_next

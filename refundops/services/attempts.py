@@ -1,0 +1,107 @@
+"""One live gateway call per refund, held by a lease, and nothing decided over an unknown answer.
+
+A worker opens an attempt (a committed row with a lease) before it calls the gateway, and closes
+it with the gateway's answer. While the lease runs no other worker calls for that refund; once it
+has run out without an answer (the worker died, or the call timed out), the attempt's answer is
+unknown and the gateway is asked (its list of the payment's refunds, which carry our refund id in
+their metadata) before anything else is decided or the gateway is called again.
+
+The lease outlasts the gateway client's own timeout, so a call whose lease has run out is over.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from processors.base import ProcessorUnavailable
+from refundops.models import GatewayAttempt, Refund, RefundState
+
+Outcome = GatewayAttempt.Outcome
+WORKER_NAME = f"{socket.gethostname()}:{os.getpid()}"
+
+
+class RetryLater(ProcessorUnavailable):
+    """Not now: another worker holds the refund's lease, or an earlier answer is still unknown."""
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message, code="attempt_in_flight", retry_after=max(retry_after, 0.0))
+
+
+def idempotency_key(refund: Refund) -> str:
+    """The gateway key of the refund's current submission. The same for every call of it, so a
+    retry, or a call after an unknown answer, is the same request to the gateway. A person's
+    resubmission of a failed refund moves ``submit_attempts``: a new request on purpose."""
+    return f"refundops:{refund.pk}:{refund.submit_attempts}"
+
+
+def expire_leases(refund: Refund, *, now=None) -> int:
+    """Live attempts whose lease ran out have an unknown answer. The refund's row lock is held."""
+    return refund.attempts.filter(outcome=Outcome.LIVE, lease_until__lte=now or timezone.now()).update(
+        outcome=Outcome.UNKNOWN, finished_at=now or timezone.now(),
+        error_code="lease_expired", error_message="The worker's lease ran out before the gateway's answer was recorded.")
+
+
+def unresolved(refund: Refund, *, now=None) -> list[GatewayAttempt]:
+    """Attempts whose answer is not known: unknown ones, and live ones whose lease has run out."""
+    now = now or timezone.now()
+    return list(refund.attempts.filter(Q(outcome=Outcome.UNKNOWN) | Q(outcome=Outcome.LIVE, lease_until__lte=now)))
+
+
+def may_be_at_gateway(refund: Refund) -> bool:
+    """Whether the money of the refund's current submission may have left: a call in flight, an
+    answer unknown, or an accepted one. Only the gateway's word may then end the refund."""
+    return refund.attempts.filter(
+        Q(outcome__in=(Outcome.LIVE, Outcome.UNKNOWN))
+        | Q(outcome=Outcome.SUCCEEDED, idempotency_key=idempotency_key(refund))).exists()
+
+
+def open_attempt(refund: Refund) -> GatewayAttempt:
+    """A new live attempt for a refund whose row lock the caller holds. Refused while another
+    worker's lease runs, or while an earlier answer is unknown (look it up first)."""
+    now = timezone.now()
+    live = refund.attempts.filter(outcome=Outcome.LIVE).order_by("-lease_until").first()
+    if live is not None and live.lease_until > now:
+        raise RetryLater(f"refund {refund.pk}: another worker is calling the gateway ({live.worker})",
+                         retry_after=(live.lease_until - now).total_seconds())
+    if live is not None or refund.attempts.filter(outcome=Outcome.UNKNOWN).exists():
+        raise RetryLater(f"refund {refund.pk}: an earlier call's answer is unknown; look it up first",
+                         retry_after=0)
+    return GatewayAttempt.objects.create(
+        refund=refund, idempotency_key=idempotency_key(refund), worker=WORKER_NAME,
+        lease_until=now + timedelta(seconds=settings.GATEWAY_ATTEMPT_LEASE_SECONDS))
+
+
+def close_attempt(attempt: GatewayAttempt, outcome: str, *, processor_refund_id: str = "",
+                  code: str = "", message: str = "") -> None:
+    """Record one attempt's answer. Only a live one changes: an answer that came after the lease ran
+    out (and someone else looked it up) does not overwrite what they found."""
+    GatewayAttempt.objects.filter(pk=attempt.pk, outcome__in=(Outcome.LIVE, Outcome.UNKNOWN)).update(
+        outcome=outcome, finished_at=timezone.now(), processor_refund_id=processor_refund_id,
+        error_code=code[:60], error_message=message)
+
+
+@transaction.atomic
+def settle_unresolved(refund: Refund, outcome: str, *, processor_refund_id: str = "", why: str = "") -> int:
+    """After a look-up at the gateway: every unresolved attempt of the refund gets what was found.
+    The refund's row lock is held by the caller."""
+    now = timezone.now()
+    return refund.attempts.filter(Q(outcome=Outcome.UNKNOWN) | Q(outcome=Outcome.LIVE, lease_until__lte=now)).update(
+        outcome=outcome, finished_at=now, processor_refund_id=processor_refund_id, error_message=why)
+
+
+def stalled_refund_ids(*, older_than_seconds: int, limit: int) -> list[str]:
+    """Approved refunds that nothing is working on: no live lease, and no attempt (or the refund
+    itself) touched within ``older_than_seconds``. Their task was lost, or gave up."""
+    now = timezone.now()
+    cutoff = now - timedelta(seconds=older_than_seconds)
+    busy = GatewayAttempt.objects.filter(Q(outcome=Outcome.LIVE, lease_until__gt=now) | Q(started_at__gt=cutoff)
+                                         | Q(finished_at__gt=cutoff)).values("refund_id")
+    return list(Refund.objects.filter(status=RefundState.APPROVED, updated_at__lte=cutoff)
+                .exclude(pk__in=busy).order_by("updated_at").values_list("pk", flat=True)[:limit])

@@ -1,0 +1,307 @@
+"""A refund is paid once, and recorded as the gateway has it, under faults: two workers at once, a
+worker that dies mid-call, a timeout after the gateway acted, a key the gateway has forgotten, a
+decline of a duplicate, a success that arrives after we gave up. Real PostgreSQL; gateways are the
+sandbox (its own ledger) and the fake Stripe over a socket, through the official SDK."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from audit.models import AuditEntry
+from processors import sandbox
+from processors.base import ProcessorUnavailable, RefundRequest, RefundResult
+from processors.models import SandboxRefund
+from processors.money import Money
+from processors.registry import get_processor
+from refundops import tasks
+from refundops.models import GatewayAttempt, LedgerDiscrepancy, Payment, Refund, RefundState
+from refundops.services import attempts, payouts
+from refundops.services.refunds import sync_payment_amounts
+from tests.conftest import make_payment, post, race
+from tests.fakes.fixtures import stripe_account, stripe_payment
+from tests.fakes.stripe_server import FakeStripe
+
+S = RefundState
+O = GatewayAttempt.Outcome
+
+
+def approved_refund(payment: Payment, amount: int) -> Refund:
+    refund = Refund.objects.create(payment=payment, amount_minor=amount, currency=payment.currency,
+                                   reason="duplicate", status=S.APPROVED)
+    sync_payment_amounts(payment)
+    payment.save()
+    return refund
+
+
+def refund_posts(fake: FakeStripe) -> int:
+    with fake.lock:
+        return sum(1 for r in fake.received if r.method == "POST" and r.path == "/v1/refunds")
+
+
+def pay_at_gateway_behind_our_back(refund: Refund) -> str:
+    """The gateway call of a worker that then died: the money left, nothing of ours recorded it."""
+    result = get_processor(refund.payment.processor).refund(RefundRequest(
+        payment=payouts.payment_ref(refund.payment), amount=refund.money, reason=refund.reason,
+        idempotency_key=attempts.idempotency_key(refund), refund_id=refund.pk, verdict_id=""))
+    return result.processor_refund_id
+
+
+def attempt(refund: Refund, outcome: str, *, lease_seconds: float = -1) -> GatewayAttempt:
+    return GatewayAttempt.objects.create(refund=refund, idempotency_key=attempts.idempotency_key(refund),
+                                         outcome=outcome, worker="elsewhere:1",
+                                         lease_until=timezone.now() + timedelta(seconds=lease_seconds))
+
+
+# -- finding 1: two workers at once, and what a duplicate's decline may not do ------------------------
+@pytest.mark.django_db(transaction=True)
+def test_eight_workers_submitting_one_full_refund_at_once_pay_it_once_and_record_it_paid(policy, api):
+    sandbox.set_mode("up", settle_delay_seconds=0)
+    payment = make_payment(amount=5_000)
+    refund = approved_refund(payment, 5_000)
+
+    def submit(i: int) -> str:
+        try:
+            return payouts.submit_refund(refund_id=refund.pk).status
+        except attempts.RetryLater:
+            return "retry later"  # another worker holds the lease: the task comes back later
+
+    outcomes = race(8, submit)
+
+    refund.refresh_from_db()
+    assert SandboxRefund.objects.filter(charge__reference=payment.processor_reference).count() == 1
+    assert refund.status in (S.SUBMITTED, S.SETTLED), outcomes
+    assert GatewayAttempt.objects.filter(refund=refund).count() == 1
+    payment.refresh_from_db()
+    assert payment.refundable_minor == 0
+    again = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 5_000, "reason": "duplicate"})
+    assert again.status_code == 422 and again.json()["error"]["code"] == "PAYMENT_NOT_REFUNDABLE"
+
+
+@pytest.mark.django_db
+def test_no_call_goes_out_while_another_worker_holds_the_lease(gateways, stripe_fake):
+    refund = approved_refund(stripe_payment(stripe_fake), 1_000)
+    attempt(refund, O.LIVE, lease_seconds=60)
+
+    with pytest.raises(attempts.RetryLater) as later:
+        payouts.submit_refund(refund_id=refund.pk)
+
+    assert refund_posts(stripe_fake) == 0
+    assert 50 < later.value.retry_after <= 60
+    refund.refresh_from_db()
+    assert refund.status == S.APPROVED
+
+
+@pytest.mark.django_db
+def test_a_decline_never_fails_a_refund_another_call_may_have_paid(gateways, stripe_fake):
+    refund = approved_refund(stripe_payment(stripe_fake), 1_000)
+    mine = attempt(refund, O.LIVE, lease_seconds=60)
+    attempt_elsewhere = GatewayAttempt.objects.create(refund=refund, idempotency_key="x", outcome=O.UNKNOWN,
+                                                      lease_until=timezone.now())
+    GatewayAttempt.objects.filter(pk=mine.pk).update(outcome=O.LIVE)
+
+    with pytest.raises(attempts.RetryLater):
+        payouts.record_gateway_decline(attempt=mine, code="amount_too_large", message="already refunded")
+
+    refund.refresh_from_db()
+    assert refund.status == S.APPROVED
+    assert GatewayAttempt.objects.get(pk=mine.pk).outcome == O.DECLINED
+    assert GatewayAttempt.objects.get(pk=attempt_elsewhere.pk).outcome == O.UNKNOWN
+    assert AuditEntry.objects.filter(action="refund.decline_set_aside", subject_id=refund.pk).exists()
+
+
+@pytest.mark.django_db
+def test_a_workers_decline_never_fails_a_submitted_refund(gateways, stripe_fake):
+    stripe_fake.next_refund_status = "pending"
+    refund = approved_refund(stripe_payment(stripe_fake), 1_000)
+    payouts.submit_refund(refund_id=refund.pk)
+    refund.refresh_from_db()
+    assert refund.status == S.SUBMITTED
+
+    payouts.record_gateway_failure(refund_id=refund.pk, code="amount_too_large", message="a duplicate's answer")
+
+    refund.refresh_from_db()
+    assert refund.status in (S.SUBMITTED, S.SETTLED) and refund.failure_code == ""
+
+
+# -- a success is never dropped ---------------------------------------------------------------------
+@pytest.mark.django_db
+def test_a_success_on_a_refund_we_recorded_failed_reinstates_it(gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund = approved_refund(payment, 5_000)
+    payouts.record_gateway_failure(refund_id=refund.pk, code="amount_too_large", message="a duplicate's answer")
+    paid = pay_at_gateway_behind_our_back(refund)
+
+    payouts.record_gateway_result(refund_id=refund.pk, result=get_processor("stripe").fetch_refund(paid))
+
+    refund.refresh_from_db()
+    assert (refund.status, refund.processor_refund_id) == (S.SETTLED, paid)
+    payment.refresh_from_db()
+    assert payment.refundable_minor == 0
+    assert AuditEntry.objects.filter(action="refund.reinstated", subject_id=refund.pk).exists()
+
+
+@pytest.mark.django_db
+def test_a_success_the_ledger_can_no_longer_take_is_raised_to_a_person(gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund = approved_refund(payment, 5_000)
+    payouts.record_gateway_failure(refund_id=refund.pk, code="amount_too_large", message="a duplicate's answer")
+    approved_refund(payment, 5_000)  # the room went to a new refund meanwhile
+    paid = RefundResult(processor_refund_id="re_late", status="succeeded", amount=Money(5_000, "USD"))
+
+    payouts.record_gateway_result(refund_id=refund.pk, result=paid)
+
+    refund.refresh_from_db()
+    assert refund.status == S.FAILED
+    gap = LedgerDiscrepancy.objects.get(payment=payment, status="open")
+    assert (gap.kind, gap.gateway_reference, gap.refund_id) == ("paid_not_settled", "re_late", refund.pk)
+    assert AuditEntry.objects.filter(action="ledger.discrepancy", subject_id=payment.pk).exists()
+
+
+@pytest.mark.django_db
+def test_a_second_gateway_refund_for_one_refund_is_raised_as_paid_twice(gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    refund = approved_refund(payment, 1_000)
+    payouts.submit_refund(refund_id=refund.pk)
+    twin = RefundResult(processor_refund_id="re_twin", status="succeeded", amount=Money(1_000, "USD"))
+
+    payouts.record_gateway_result(refund_id=refund.pk, result=twin)
+
+    gap = LedgerDiscrepancy.objects.get(payment=payment)
+    assert (gap.kind, gap.gateway_reference) == ("paid_not_settled", "re_twin")
+
+
+# -- findings 1 and 6: an answer that never came is looked up before anything else ---------------------
+@pytest.mark.django_db
+def test_a_worker_that_died_mid_call_is_looked_up_not_called_again(gateways, stripe_fake):
+    refund = approved_refund(stripe_payment(stripe_fake), 1_000)
+    attempt(refund, O.LIVE, lease_seconds=-1)  # its lease ran out: the worker is gone
+    paid = pay_at_gateway_behind_our_back(refund)
+    stripe_fake.forget_idempotency_keys()  # a day later: Stripe no longer knows the key
+
+    payouts.submit_refund(refund_id=refund.pk)
+
+    assert refund_posts(stripe_fake) == 1  # only the dead worker's
+    refund.refresh_from_db()
+    assert refund.status in (S.SUBMITTED, S.SETTLED) and refund.processor_refund_id == paid
+    assert list(refund.attempts.values_list("outcome", flat=True)) == [O.SUCCEEDED]
+
+
+@pytest.mark.django_db
+def test_an_unknown_answer_not_found_at_the_gateway_is_called_once_more(gateways, stripe_fake):
+    refund = approved_refund(stripe_payment(stripe_fake), 1_000)
+    attempt(refund, O.UNKNOWN)
+
+    payouts.submit_refund(refund_id=refund.pk)
+
+    assert refund_posts(stripe_fake) == 1
+    refund.refresh_from_db()
+    assert refund.status in (S.SUBMITTED, S.SETTLED)
+    assert list(refund.attempts.values_list("outcome", flat=True)) == [O.ABSENT, O.SUCCEEDED]
+
+
+@pytest.mark.django_db
+def test_a_timeout_after_the_gateway_acted_leaves_the_refund_approved_and_pays_it_once(settings, stripe_fake):
+    settings.PROCESSORS = {"stripe": {"default": {**stripe_account(stripe_fake), "timeout": 0.5}}}
+    refund = approved_refund(stripe_payment(stripe_fake), 1_000)
+    stripe_fake.set_mode("slow_after", slow_seconds=1.5)
+
+    with pytest.raises(ProcessorUnavailable):
+        payouts.submit_refund(refund_id=refund.pk)
+
+    refund.refresh_from_db()
+    assert refund.status == S.APPROVED
+    assert list(refund.attempts.values_list("outcome", flat=True)) == [O.UNKNOWN]
+    stripe_fake.set_mode("up")
+    stripe_fake.forget_idempotency_keys()
+
+    payouts.submit_refund(refund_id=refund.pk)
+
+    refund.refresh_from_db()
+    assert refund.status in (S.SUBMITTED, S.SETTLED)
+    assert stripe_fake.refund_count == 1
+
+
+@pytest.mark.django_db
+def test_a_duplicate_told_the_key_is_in_use_neither_pays_nor_fails(settings, stripe_fake):
+    """Stripe answers 409 to a second request while the first with its key is in flight."""
+    settings.PROCESSORS = {"stripe": {"default": stripe_account(stripe_fake)}}
+    refund = approved_refund(stripe_payment(stripe_fake), 1_000)
+    stripe_fake.set_mode("slow_after", slow_seconds=2)
+    with stripe_fake.lock:
+        stripe_fake._in_flight.add(attempts.idempotency_key(refund))
+
+    with pytest.raises(ProcessorUnavailable) as in_use:
+        payouts.submit_refund(refund_id=refund.pk)
+
+    assert "in-progress" in in_use.value.message
+    refund.refresh_from_db()
+    assert refund.status == S.APPROVED and stripe_fake.refund_count == 0
+
+
+# -- the sweeper, retries and their countdowns --------------------------------------------------------
+@pytest.mark.django_db
+def test_the_sweeper_leaves_a_refund_whose_call_is_live_alone(gateways, stripe_fake):
+    refund = approved_refund(stripe_payment(stripe_fake), 1_000)
+    GatewayAttempt.objects.create(refund=refund, idempotency_key=attempts.idempotency_key(refund),
+                                  lease_until=timezone.now() + timedelta(seconds=60))
+    long_ago = timezone.now() - timedelta(hours=1)
+    Refund.objects.filter(pk=refund.pk).update(updated_at=long_ago)
+    GatewayAttempt.objects.filter(refund=refund).update(started_at=long_ago)
+
+    assert tasks.resubmit_stalled_refunds(older_than_seconds=300) == 0
+    assert refund_posts(stripe_fake) == 0
+
+
+@pytest.mark.django_db
+def test_the_sweeper_pays_an_approved_refund_nothing_works_on(gateways, stripe_fake):
+    refund = approved_refund(stripe_payment(stripe_fake), 1_000)
+    Refund.objects.filter(pk=refund.pk).update(updated_at=timezone.now() - timedelta(hours=1))
+
+    assert tasks.resubmit_stalled_refunds(older_than_seconds=300) == 1
+
+    refund.refresh_from_db()
+    assert refund.status in (S.SUBMITTED, S.SETTLED)
+    assert refund_posts(stripe_fake) == 1
+
+
+@pytest.mark.django_db
+def test_retries_run_out_and_the_sweeper_finishes_the_job_once_the_gateway_is_back(settings):
+    settings.REFUND_SUBMIT_MAX_RETRIES = 2
+    sandbox.set_mode("down", settle_delay_seconds=0)
+    payment = make_payment(amount=5_000)
+    refund = approved_refund(payment, 700)
+
+    assert tasks.submit_refund.apply(kwargs={"refund_id": refund.pk}).get() == S.APPROVED
+
+    assert list(refund.attempts.values_list("outcome", flat=True)) == [O.UNKNOWN]
+    sandbox.set_mode("up")
+    Refund.objects.filter(pk=refund.pk).update(updated_at=timezone.now() - timedelta(hours=1))
+    GatewayAttempt.objects.filter(refund=refund).update(started_at=timezone.now() - timedelta(hours=1),
+                                                        finished_at=timezone.now() - timedelta(hours=1))
+    assert tasks.resubmit_stalled_refunds(older_than_seconds=300) == 1
+    refund.refresh_from_db()
+    assert refund.status == S.SETTLED
+    assert SandboxRefund.objects.count() == 1
+
+
+def test_no_countdown_reaches_the_brokers_visibility_timeout(settings):
+    settings.CELERY_VISIBILITY_TIMEOUT_SECONDS = 600
+    assert tasks.backoff_seconds(30, retry_after=86_400) <= 480
+    assert tasks.backoff_seconds(0, retry_after=None) <= 480
+
+
+@pytest.mark.django_db
+def test_a_poll_that_cannot_reach_the_gateway_or_is_refused_leaves_the_refund_submitted(gateways, stripe_fake):
+    stripe_fake.next_refund_status = "pending"
+    refund = approved_refund(stripe_payment(stripe_fake), 1_000)
+    payouts.submit_refund(refund_id=refund.pk)
+    stripe_fake.set_mode("down")
+    assert tasks.poll_refund(refund_id=refund.pk) == S.SUBMITTED
+    stripe_fake.set_mode("up")
+    Refund.objects.filter(pk=refund.pk).update(processor_refund_id="re_nobody_knows")
+    assert tasks.poll_refund(refund_id=refund.pk) == S.SUBMITTED
+    refund.refresh_from_db()
+    assert refund.status == S.SUBMITTED
