@@ -21,7 +21,7 @@ def calls_already_made(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('refundops', '0007_hold_rules_v1'),
+        ('refundops', '0008_refund_counted_at'),
     ]
 
     operations = [
