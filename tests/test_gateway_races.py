@@ -2,7 +2,8 @@
 
 Every thread has its own connection (closed at its end), all start at once behind a barrier, and
 the invariants are read back from the database afterwards. Gateways are the fakes, over sockets;
-approved refunds are paid on commit (Celery is eager in tests), as in production.
+approved refunds are paid on commit in the requesting thread (Celery is eager here; the broker,
+its queues and countdowns are exercised with a real worker in tests/test_worker_queues.py).
 """
 
 from __future__ import annotations

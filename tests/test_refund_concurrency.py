@@ -2,7 +2,8 @@
 
 Every thread has its own connection and API client, all start at once behind a barrier, and the
 invariant is read back from the database afterwards. Approved refunds are paid through the
-sandbox on commit (Celery is eager in tests), as in production.
+sandbox on commit in the requesting thread (Celery is eager here; a real worker on the broker runs
+in tests/test_worker_queues.py and the outage tests).
 """
 
 from __future__ import annotations
