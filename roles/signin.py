@@ -10,6 +10,7 @@ the key for an authenticator app and confirms it with a first code.
 from __future__ import annotations
 
 from base64 import b32encode
+from functools import partial
 
 import django_otp
 from django import forms
@@ -21,6 +22,9 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django_otp.plugins.otp_totp.models import TOTPDevice
+from simple_history.admin import SimpleHistoryAdmin
+
+from audit.exports import export_changelist, export_history
 
 
 def needs_second_factor(user) -> bool:
@@ -68,7 +72,23 @@ class StaffAdminSite(admin.AdminSite):
         return super().login(request, extra_context)
 
     def get_urls(self):
-        return [path("second-factor/", self.second_factor_view, name="second_factor"), *super().get_urls()]
+        return [path("second-factor/", self.second_factor_view, name="second_factor"), *self.export_urls(),
+                *super().get_urls()]
+
+    def export_urls(self):
+        """``<app>/<model>/export.csv`` for every list (as filtered by its query string), and
+        ``<app>/<model>/<id>/history/export.csv`` for every model with history (audit.exports)."""
+        urls = []
+        for model, model_admin in self._registry.items():
+            app_label, model_name = model._meta.app_label, model._meta.model_name
+            urls.append(path(f"{app_label}/{model_name}/export.csv",
+                             self.admin_view(partial(export_changelist, model_admin=model_admin)),
+                             name=f"{app_label}_{model_name}_export_csv"))
+            if isinstance(model_admin, SimpleHistoryAdmin):
+                urls.append(path(f"{app_label}/{model_name}/<path:object_id>/history/export.csv",
+                                 self.admin_view(partial(export_history, model_admin=model_admin)),
+                                 name=f"{app_label}_{model_name}_history_export_csv"))
+        return urls
 
     def second_factor_view(self, request: HttpRequest) -> HttpResponse:
         """Enrol a TOTP device (or confirm one) and mark this session verified."""

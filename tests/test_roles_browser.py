@@ -8,7 +8,10 @@ every model, also ones added later, and changes nothing."""
 
 from __future__ import annotations
 
+import csv
+import io
 import re
+from pathlib import Path
 
 import pytest
 from django.contrib import admin
@@ -162,3 +165,21 @@ def test_an_operator_turns_the_kill_switch_on_alone(live_server, browser):
     expect(page.locator(".messagelist")).to_contain_text("kill switch ON")
     shot(page, "operator-kill-switch-on")
     assert PlatformState.current().refunds_paused
+
+
+def test_the_auditor_exports_the_held_refunds_as_filtered_on_screen(live_server, browser):
+    world = populate()
+    User.objects.create_user("audra", password="pw-role")
+    call_command("grant_role", "audra", "auditor", stdout=open("/dev/null", "w"))
+    page, broken = log_in(browser, live_server.url, "audra", "pw-role")
+    page.goto(live_server.url + reverse("admin:refundops_refund_changelist"))
+    page.locator("#changelist-filter a:text-is('Held for approval')").first.click()
+    expect(page).to_have_url(re.compile(r"status__exact=held"))
+    shot(page, "role-auditor-held-refunds-list")
+    with page.expect_download() as download:
+        page.click("a.export-csv")
+    rows = list(csv.DictReader(io.StringIO(Path(download.value.path()).read_text())))
+    assert download.value.suggested_filename.startswith("refundops-refund-")
+    assert sorted(row["id"] for row in rows) == sorted([world.held.pk, world.held_big.pk])
+    assert {row["status"] for row in rows} == {"held"}
+    assert broken == []
