@@ -213,6 +213,19 @@ def test_a_refund_made_on_the_gateway_that_no_longer_fits_is_raised_not_recorded
     assert not Refund.objects.filter(processor_refund_id=made).exists()
 
 
+def test_a_gateway_refund_with_no_room_beside_ours_on_its_way_is_raised_not_recorded(books: Books) -> None:
+    payment = books.payment(10_000)
+    on_its_way = our_refund(payment, 8_000, RefundState.APPROVED)
+    Refund.objects.filter(pk=on_its_way.pk).update(gateway_called_at=timezone.now())  # the worker is calling
+    made = books.refund(payment, 5_000)
+
+    report, code = reconcile()
+
+    assert code == 1 and kinds(report) == [(Kind.UNKNOWN_REFUND, made)]
+    assert not Refund.objects.filter(processor_refund_id=made).exists()
+    assert Refund.objects.get(pk=on_its_way.pk).status == RefundState.APPROVED
+
+
 def test_a_refund_naming_a_refund_of_ours_this_payment_does_not_have_is_raised(books: Books) -> None:
     payment, other = books.payment(10_000), books.payment(4_000)
     elsewhere = our_refund(other, 1_000, RefundState.APPROVED)

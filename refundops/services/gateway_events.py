@@ -27,7 +27,7 @@ from processors.paypal import PayPalDispute, PayPalProcessor
 from processors.registry import get_processor
 from processors.stripe import StripeProcessor
 from refundops.locks import lock_payment, lock_platform
-from refundops.models import Dispute, Payment, PaymentLink, Reason, Refund, RefundState
+from refundops.models import COUNTING_STATES, Dispute, Payment, PaymentLink, Reason, Refund, RefundState
 from refundops.services.payments import mark_payment_link_paid
 from refundops.services.payouts import record_gateway_result
 from refundops.services.refunds import estimate_arrival, sync_payment_amounts
@@ -223,7 +223,12 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
                            made_at: datetime | None = None) -> str:
     """A refund made on the gateway directly (its dashboard, another system): record it so every
     running total and the refundable amount count it. Under the payment lock, once. ``made_at``
-    (when the gateway made it, if known) dates it, so the totals count it on the day it happened."""
+    (when the gateway made it, if known) dates it, so the totals count it on the day it happened.
+
+    The gateway's refund is a fact. Where it does not fit beside ours (our refunds + it > captured),
+    ours that have not reached the gateway are canceled to make room; where even that cannot make
+    room (ours at the gateway, or on their way, already take it), our books and the gateway's
+    differ: that is raised to a person as a ledger discrepancy, and the event counts as applied."""
     payment = lock_payment(payment_id)
     assert payment is not None
     # Payment, then platform, as refund decisions take them: the customer's and the platform's
@@ -232,6 +237,11 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
     existing = Refund.objects.filter(payment=payment, processor_refund_id=result.processor_refund_id).first()
     if existing is not None:  # a concurrent delivery got here first
         return f"{existing.pk}: already recorded"
+    to_cancel = _waiting_refunds_to_make_room(payment, result)
+    if to_cancel is None:
+        discrepancy = _raise_external_that_does_not_fit(payment, result, event=event)
+        return (f"{result.processor_refund_id} of {result.amount} does not fit in what {payment.pk} has left: "
+                f"raised as ledger discrepancy {discrepancy.pk}")
     now = made_at or timezone.now()
     settled = result.status == "succeeded"
     message = (f"Refund {result.processor_refund_id} of {result.amount} was made on {payment.processor} "
@@ -253,7 +263,8 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
     if made_at is not None:  # created_at is set on insert; the running totals count it from when it was made
         Refund.objects.filter(pk=refund.pk).update(created_at=made_at, counted_at=made_at)
     Verdict.objects.filter(pk=verdict.pk).update(refund_id=refund.pk)
-    _cancel_what_no_longer_fits(payment, event=event)
+    for waiting in to_cancel:
+        _cancel_to_make_room(waiting, event=event)
     sync_payment_amounts(payment)
     record_audit(actor=ACTOR, action="refund.external_recorded", subject_type="refund", subject_id=refund.pk,
                  data={"payment_id": payment.pk, "processor_refund_id": result.processor_refund_id,
@@ -262,26 +273,60 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
     return f"{refund.pk}: recorded external refund {result.processor_refund_id} ({refund.status})"
 
 
-def _cancel_what_no_longer_fits(payment: Payment, *, event: WebhookEvent) -> None:
-    """The gateway took a refund we did not send, so our refunds not yet at the gateway may no
-    longer fit in what was captured: cancel those (newest first) until the rest fit, as the
-    gateway would refuse them anyway. Refunds already at the gateway fit there by definition."""
-    refunds = list(payment.refunds.select_for_update().filter(
-        status__in=(RefundState.SUBMITTED, RefundState.SETTLED, RefundState.REQUESTED, RefundState.HELD,
-                    RefundState.APPROVED)).order_by("created_at"))
-    excess = sum(r.amount_minor for r in refunds) - payment.amount_captured_minor
-    for waiting in reversed([r for r in refunds if r.status in (RefundState.REQUESTED, RefundState.HELD,
-                                                                 RefundState.APPROVED)]):
+def _may_be_at_gateway(refund: Refund) -> bool:
+    """Submitted or settled, or approved with its gateway call made: the money may have left."""
+    return refund.status in (RefundState.SUBMITTED, RefundState.SETTLED) or refund.gateway_called_at is not None
+
+
+def _waiting_refunds_to_make_room(payment: Payment, result: RefundResult) -> list[Refund] | None:
+    """Ours to cancel (newest first, only as many as needed) so the gateway's refund fits in what was
+    captured; None when it cannot fit even with all of them canceled. Only refunds that have not
+    reached the gateway are candidates: the gateway would refuse them anyway, and one whose call may
+    be on its way could be paid whatever we decide here."""
+    if result.amount.currency != payment.currency:
+        return None
+    refunds = list(payment.refunds.select_for_update().filter(status__in=COUNTING_STATES).order_by("created_at", "pk"))
+    at_gateway = sum(r.amount_minor for r in refunds if _may_be_at_gateway(r))
+    if at_gateway + result.amount.amount_minor > payment.amount_captured_minor:
+        return None
+    excess = sum(r.amount_minor for r in refunds) + result.amount.amount_minor - payment.amount_captured_minor
+    to_cancel = []
+    for waiting in reversed([r for r in refunds if not _may_be_at_gateway(r)]):
         if excess <= 0:
-            return
-        before = waiting.status
-        waiting.cancel(message="The payment was refunded on the gateway directly; this refund no "
-                               "longer fits in what was captured.")
-        waiting._change_reason = f"made room for an external refund ({event.event_id})"
-        waiting.save()
+            break
+        to_cancel.append(waiting)
         excess -= waiting.amount_minor
-        record_audit(actor=ACTOR, action="refund.canceled", subject_type="refund", subject_id=waiting.pk,
-                     data={"from": before, "why": "external refund on the gateway", "event_id": event.event_id})
+    return to_cancel
+
+
+def _cancel_to_make_room(waiting: Refund, *, event: WebhookEvent) -> None:
+    before = waiting.status
+    waiting.cancel(message="The payment was refunded on the gateway directly; this refund no "
+                           "longer fits in what was captured.")
+    waiting._change_reason = f"made room for an external refund ({event.event_id})"
+    waiting.save()
+    record_audit(actor=ACTOR, action="refund.canceled", subject_type="refund", subject_id=waiting.pk,
+                 data={"from": before, "why": "external refund on the gateway", "event_id": event.event_id})
+
+
+def _raise_external_that_does_not_fit(payment: Payment, result: RefundResult, *, event: WebhookEvent):
+    from refundops.models import LedgerDiscrepancy
+    from refundops.services.reconciliation import raise_discrepancy
+
+    ours = [{"refund_id": r.pk, "amount_minor": r.amount_minor, "status": r.status,
+             "processor_refund_id": r.processor_refund_id}
+            for r in payment.refunds.filter(status__in=COUNTING_STATES).order_by("created_at", "pk")]
+    return raise_discrepancy(
+        payment=payment, kind=LedgerDiscrepancy.Kind.UNKNOWN_REFUND, actor=ACTOR,
+        gateway_reference=result.processor_refund_id,
+        ours={"captured_minor": payment.amount_captured_minor, "refunded_minor": payment.amount_refunded_minor,
+              "reserved_minor": payment.amount_reserved_minor, "currency": payment.currency, "refunds": ours},
+        theirs={"processor_refund_id": result.processor_refund_id, "amount_minor": result.amount.amount_minor,
+                "currency": result.amount.currency, "status": result.status, "event_id": event.event_id},
+        detail=f"{payment.processor} refund {result.processor_refund_id} of {result.amount} was made on the "
+               f"gateway directly, and our refunds at the gateway or on their way leave no room for it in the "
+               f"{payment.captured} captured. Find which of ours the gateway did not pay (or refund the "
+               f"difference back), then resolve with a note.")
 
 
 @transaction.atomic

@@ -242,8 +242,11 @@ def _compare(payment: Payment, book: PaymentBook | None, *, read_at: datetime) -
                               f"{theirs.our_refund_id}, which this payment does not have.")
             elif _fits(payment, refunds, theirs):
                 recorded = _record_external(payment, theirs)
-                refunds.append(recorded)
-                check.recorded.append(recorded.pk)
+                if isinstance(recorded, LedgerDiscrepancy):  # ours on their way to the gateway take the room
+                    check.discrepancies.append(recorded)
+                else:
+                    refunds.append(recorded)
+                    check.recorded.append(recorded.pk)
             else:
                 raise_(Kind.UNKNOWN_REFUND, theirs.processor_refund_id, ours=_ledger(payment), theirs=gateway_side,
                        detail=f"{payment.processor} refund {theirs.processor_refund_id} of {theirs.amount} was "
@@ -309,15 +312,18 @@ def _fits(payment: Payment, refunds: list[Refund], theirs: GatewayRefund) -> boo
             and at_gateway + theirs.amount.amount_minor <= payment.amount_captured_minor)
 
 
-def _record_external(payment: Payment, theirs: GatewayRefund) -> Refund:
-    """As the webhook path records it (whose event was lost, or is still to come)."""
+def _record_external(payment: Payment, theirs: GatewayRefund) -> Refund | LedgerDiscrepancy:
+    """As the webhook path records it (whose event was lost, or is still to come); where it finds
+    no room after all, the discrepancy it raised."""
     from refundops.services.gateway_events import STRIPE_REASONS, record_external_refund  # imports payouts
 
     event = WebhookEvent(processor=payment.processor, event_id=f"reconcile:{theirs.processor_refund_id}",
                          type="reconcile", object_id=theirs.processor_refund_id)
     record_external_refund(payment_id=payment.pk, result=theirs.result, event=event, made_at=theirs.created_at,
                            reason=STRIPE_REASONS.get(theirs.reason, Reason.CUSTOMER_REQUEST))
-    return Refund.objects.get(payment=payment, processor_refund_id=theirs.processor_refund_id)
+    return (Refund.objects.filter(payment=payment, processor_refund_id=theirs.processor_refund_id).first()
+            or LedgerDiscrepancy.objects.get(payment=payment, kind=Kind.UNKNOWN_REFUND, status=LedgerDiscrepancy.Status.OPEN,
+                                             gateway_reference=theirs.processor_refund_id))
 
 
 def discrepancy_json(discrepancy: LedgerDiscrepancy, *, seen_since: datetime | None = None) -> dict[str, Any]:
