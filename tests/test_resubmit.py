@@ -21,16 +21,14 @@ from tests.test_approvals import approver
 
 
 def failed_refund(amount: int, *, payment=None, key=None, days_ago: float = 2) -> Refund:
-    """An agent's refund, approved by the policy, that the gateway refused ``days_ago`` days ago."""
+    """An agent's refund the gateway refused ``days_ago`` days ago (as the worker records a decline)."""
     payment = payment or make_payment(amount=20_000)
-    answer = request_refund(caller=Caller.for_key(key or make_agent_key()[0]), idempotency_key=uuid.uuid4().hex,
-                            data={"transaction_id": payment.pk, "amount": amount, "reason": "product_issue"})
-    assert answer.status == 201, answer.body
-    refund_id = answer.body["refund"]["id"]
-    payouts.record_gateway_failure(refund_id=refund_id, code="card_closed", message="card was closed")
     then = timezone.now() - timedelta(days=days_ago)
-    Refund.objects.filter(pk=refund_id).update(created_at=then, counted_at=then)
-    return Refund.objects.get(pk=refund_id)
+    refund = Refund.objects.create(payment=payment, amount_minor=amount, currency=payment.currency,
+                                   reason="product_issue", agent=(key or make_agent_key()[0]).agent,
+                                   status=RefundState.FAILED, failure_code="card_closed")
+    Refund.objects.filter(pk=refund.pk).update(created_at=then, counted_at=then)
+    return Refund.objects.get(pk=refund.pk)
 
 
 def totals_now(refund: Refund):
