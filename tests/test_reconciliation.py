@@ -214,9 +214,11 @@ def test_a_refund_made_on_the_gateway_that_no_longer_fits_is_raised_not_recorded
 
 
 def test_a_gateway_refund_with_no_room_beside_ours_on_its_way_is_raised_not_recorded(books: Books) -> None:
+    from refundops.services import attempts
+
     payment = books.payment(10_000)
     on_its_way = our_refund(payment, 8_000, RefundState.APPROVED)
-    Refund.objects.filter(pk=on_its_way.pk).update(gateway_called_at=timezone.now())  # the worker is calling
+    attempts.open_attempt(on_its_way)  # a worker is calling the gateway for it right now
     made = books.refund(payment, 5_000)
 
     report, code = reconcile()

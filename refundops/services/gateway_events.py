@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone as dt_timezone
+from datetime import datetime
+from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import transaction
@@ -27,9 +28,20 @@ from processors.paypal import PayPalDispute, PayPalProcessor
 from processors.registry import get_processor
 from processors.stripe import StripeProcessor
 from refundops.locks import lock_payment, lock_platform
-from refundops.models import COUNTING_STATES, Dispute, Payment, PaymentLink, Reason, Refund, RefundState
+from refundops.models import (
+    COUNTING_STATES,
+    Dispute,
+    LedgerDiscrepancy,
+    Payment,
+    PaymentLink,
+    Reason,
+    Refund,
+    RefundState,
+)
+from refundops.services import attempts
 from refundops.services.payments import mark_payment_link_paid
 from refundops.services.payouts import record_gateway_result
+from refundops.services.reconciliation import raise_discrepancy
 from refundops.services.refunds import estimate_arrival, sync_payment_amounts
 
 log = logging.getLogger(__name__)
@@ -274,8 +286,8 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
 
 
 def _may_be_at_gateway(refund: Refund) -> bool:
-    """Submitted or settled, or approved with its gateway call made: the money may have left."""
-    return refund.status in (RefundState.SUBMITTED, RefundState.SETTLED) or refund.gateway_called_at is not None
+    """Submitted or settled, or approved with a gateway call in flight or unanswered: the money may have left."""
+    return refund.status in (RefundState.SUBMITTED, RefundState.SETTLED) or attempts.may_be_at_gateway(refund)
 
 
 def _waiting_refunds_to_make_room(payment: Payment, result: RefundResult) -> list[Refund] | None:
@@ -309,10 +321,8 @@ def _cancel_to_make_room(waiting: Refund, *, event: WebhookEvent) -> None:
                  data={"from": before, "why": "external refund on the gateway", "event_id": event.event_id})
 
 
-def _raise_external_that_does_not_fit(payment: Payment, result: RefundResult, *, event: WebhookEvent):
-    from refundops.models import LedgerDiscrepancy
-    from refundops.services.reconciliation import raise_discrepancy
-
+def _raise_external_that_does_not_fit(payment: Payment, result: RefundResult, *,
+                                      event: WebhookEvent) -> LedgerDiscrepancy:
     ours = [{"refund_id": r.pk, "amount_minor": r.amount_minor, "status": r.status,
              "processor_refund_id": r.processor_refund_id}
             for r in payment.refunds.filter(status__in=COUNTING_STATES).order_by("created_at", "pk")]
