@@ -13,10 +13,11 @@ import environ
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = BASE_DIR / "var"
 
 env = environ.Env()
 environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
+# Where embedded mode keeps its SQLite file and broker folders, and scripts/run its logs.
+VAR_DIR = Path(env("REFUNDOPS_VAR_DIR", default=str(BASE_DIR / "var")))
 
 # Production mode: no published secret, no sandbox unless asked for with a secret of its own, no
 # demo data. Unset, the platform runs in development mode (scripts/run).
@@ -116,6 +117,7 @@ else:
         "data_folder_in": str(VAR_DIR / "broker"),
         "data_folder_out": str(VAR_DIR / "broker"),
         "processed_folder": str(VAR_DIR / "broker-processed"),
+        "control_folder": str(VAR_DIR / "broker-control"),  # exchange bindings (else ./control)
         "store_processed": False,
     }
 CELERY_TASK_IGNORE_RESULT = True

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -15,6 +18,8 @@ from approvals.models import ApprovalAuthority
 from processors import sandbox
 from processors.money import Money
 from refundops.access import generate_key
+from refundops.callers import Caller
+from refundops.services.refunds import request_refund
 from roles.definitions import find_role
 from roles.services import grant_role
 from refundops.models import (
@@ -30,6 +35,7 @@ from refundops.models import (
 )
 
 DEMO_PASSWORD = "refundops-demo"
+DEMO_AGENT = "demo-support-bot"
 # username: role. Two finance approvers, so a change one proposes has someone to approve it.
 STAFF = {"approver": "finance approver", "approver2": "finance approver", "fraud": "fraud analyst",
          "auditor": "auditor", "operator": "operator", "admin": "administrator"}
@@ -40,15 +46,23 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--json", action="store_true", dest="as_json", help="print ids, logins and the key as JSON")
+        parser.add_argument("--if-empty", action="store_true",
+                            help="on a database that already has data, say so and succeed without changing it")
+        parser.add_argument("--output", type=Path, help="also write the JSON to this file (complete or not at all)")
 
-    def handle(self, *args, as_json: bool = False, **options):
+    def handle(self, *args, as_json: bool = False, if_empty: bool = False, output: Path | None = None, **options):
         if settings.PRODUCTION:
             raise CommandError("demo_data refuses in production mode (REFUNDOPS_ENV=production): it would "
                                "create logins with a published password and an all-capability key.")
         if Payment.objects.exists() or Agent.objects.exists():
+            if if_empty:
+                self.stderr.write("This database already has data: no demo data added.")
+                return
             raise CommandError("demo_data fills an empty database; this one already has payments or agents.")
         with transaction.atomic():
             out = self._create()
+        if output is not None:
+            write_atomically(output, json.dumps(out, indent=2))
         if as_json:
             self.stdout.write(json.dumps(out, indent=2))
         else:
@@ -129,13 +143,43 @@ class Command(BaseCommand):
             name="Balance due", approved_by=approver, approved_at=now,
             message="Hi $customer_name, the balance of $amount for order $order_reference is due. "
                     "You can pay it here: $url")
-        agent = Agent.objects.create(name="demo-support-bot", owner="Customer service",
+        agent = Agent.objects.create(name=DEMO_AGENT, owner="Customer service",
                                      capabilities=list(Capability.values))
         raw, prefix, digest = generate_key()
-        AgentKey.objects.create(agent=agent, prefix=prefix, key_hash=digest)
-        return {"payments": payments, "staff": staff, "payment_link_template": template.pk,
+        key = AgentKey.objects.create(agent=agent, prefix=prefix, key_hash=digest)
+        held = self._held_refunds(Caller.for_key(key), customer, pay)
+        return {"payments": payments, "held_refunds": held, "staff": staff, "payment_link_template": template.pk,
                 "agent": {"id": agent.pk, "name": agent.name, "capabilities": agent.capabilities,
                           "key": raw, "key_prefix": prefix},
                 "limits": {"currency": "USD", "approval_threshold": 20_000, "customer_daily_count": 5,
                            "refund_window_days": 60}}
 
+
+    @staticmethod
+    def _held_refunds(caller: Caller, customer, pay) -> list[dict]:
+        """Refunds the agent already asked for that wait for a person, so an approver's first look at
+        the queue shows the job: one above the approval threshold, one for a reason with a lower one."""
+        asks = [("held: above the approval threshold", customer("Donald Knuth"), 30_000, "customer_request"),
+                ("held: fraudulent reason", customer("Radia Perlman"), 8_000, "fraudulent")]
+        held = []
+        for label, cust, amount, reason in asks:
+            payment = pay(label, cust, amount)
+            answer = request_refund(caller=caller, idempotency_key=f"demo-{payment['id']}",
+                                    data={"transaction_id": payment["id"], "amount": amount, "reason": reason})
+            if answer.status != 202:
+                raise CommandError(f"demo_data expected the {label!r} refund to be held: {answer.body}")
+            held.append({"path": label, "refund_id": answer.body["refund"]["id"], "payment_id": payment["id"]})
+        return held
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """The whole file or none of it: a temporary file beside it, renamed over it, removed on failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,166 @@
+"""`scripts/run` as a newcomer runs it: it decides from the database, never from var/demo.json, checks
+its port first, and says plainly when a part did not start. (Issue 13, finding 1.)
+
+Each start is a real `scripts/run` in a process group of its own, with its own var directory and a
+free port; the test reads its banner, uses the key and a login it printed, and stops it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from refundops.models import Refund, RefundState
+
+ROOT = Path(__file__).resolve().parent.parent
+BANNER_END = "Ctrl-C stops."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def database_url() -> str:
+    db = settings.DATABASES["default"]
+    return f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+class Run:
+    """One `scripts/run`, read line by line until its banner ends or it exits."""
+
+    def __init__(self, var: Path, port: int, **env: str):
+        environment = {k: v for k, v in os.environ.items()
+                       if k not in ("DATABASE_URL", "REDIS_URL", "REDIS_KEY_PREFIX", "DATABASE_POOL",
+                                    "CELERY_TASK_ALWAYS_EAGER")}
+        environment.update(REFUNDOPS_VAR_DIR=str(var), PORT=str(port), **env)
+        self.port = port
+        self.process = subprocess.Popen(["scripts/run"], cwd=ROOT, env=environment, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.output = ""
+
+    def read_until_banner_or_exit(self, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        for line in self.process.stdout:
+            self.output += line
+            if BANNER_END in line or time.monotonic() > deadline:
+                break
+        return self.output
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # the group this test started
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+    def key(self) -> str:
+        return re.search(r"Agent key\s+(rk_\S+)", self.output).group(1)
+
+    def api(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/api/v1/{path}", method=method,
+            data=json.dumps(body).encode() if body is not None else None,
+            headers={"Authorization": f"Bearer {self.key()}", "Content-Type": "application/json",
+                     "Idempotency-Key": uuid.uuid4().hex})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    def admin_login_works(self, username: str, password: str) -> bool:
+        import http.cookiejar
+        jar = http.cookiejar.CookieJar()
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+        base = f"http://127.0.0.1:{self.port}"
+        page = opener.open(f"{base}/admin/login/", timeout=30).read().decode()
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page).group(1)
+        data = f"csrfmiddlewaretoken={token}&username={username}&password={password}&next=/admin/".encode()
+        answer = opener.open(urllib.request.Request(f"{base}/admin/login/?next=/admin/", data=data,
+                                                    headers={"Referer": f"{base}/admin/login/"}), timeout=30)
+        return answer.geturl().rstrip("/").endswith("/admin") and "Log out" in answer.read().decode()
+
+
+def check_the_banner_tells_the_truth(run: Run) -> None:
+    output = run.read_until_banner_or_exit()
+    assert "RefundOps is running" in output, output
+    fresh = re.search(r'"transaction_id": "(txn_\w+)"', output).group(1)
+    status, body = run.api("GET", f"payments/{fresh}")
+    assert status == 200, body  # the key printed works on this database, and the example payment is in it
+    status, body = run.api("POST", "refunds", {"transaction_id": fresh, "amount": 100, "reason": "customer_request"})
+    assert status in (200, 201) and body["verdict"]["outcome"] == "approved", body  # the example refund goes through
+    login = re.search(r"login (\S+)\s+password (\S+)", output)
+    assert run.admin_login_works(login.group(1), login.group(2)), output
+    assert "uuidgen" not in output  # absent on Debian slim
+
+
+@pytest.mark.django_db(transaction=True)
+def test_embedded_then_postgresql_each_gets_a_banner_its_database_accepts(tmp_path):
+    run = Run(tmp_path, free_port())
+    try:
+        check_the_banner_tells_the_truth(run)
+    finally:
+        run.stop()
+    assert not list(tmp_path.glob("*.tmp"))
+
+    # The same var directory (var/demo.json from the SQLite run is there), now on PostgreSQL.
+    run = Run(tmp_path, free_port(), DATABASE_URL=database_url(), REDIS_URL=settings.REDIS_URL,
+              REDIS_KEY_PREFIX=settings.REDIS_KEY_PREFIX)
+    try:
+        check_the_banner_tells_the_truth(run)
+        # An approver's first look at the queue shows the job.
+        assert Refund.objects.filter(status=RefundState.HELD).count() >= 2
+    finally:
+        run.stop()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_database_with_data_and_no_demo_json_starts_and_prints_what_the_database_holds(tmp_path):
+    first = Run(tmp_path, free_port(), DATABASE_URL=database_url(), REDIS_URL=settings.REDIS_URL,
+                REDIS_KEY_PREFIX=settings.REDIS_KEY_PREFIX)
+    try:
+        first.read_until_banner_or_exit()
+    finally:
+        first.stop()
+    for leftover in tmp_path.glob("demo.json*"):
+        leftover.unlink()
+
+    run = Run(tmp_path, free_port(), DATABASE_URL=database_url(), REDIS_URL=settings.REDIS_URL,
+              REDIS_KEY_PREFIX=settings.REDIS_KEY_PREFIX)
+    try:
+        check_the_banner_tells_the_truth(run)
+        assert "FileNotFoundError" not in run.output and "Traceback" not in run.output
+    finally:
+        run.stop()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_taken_port_stops_the_start_with_a_plain_message(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = Run(tmp_path, port)
+        try:
+            output = run.read_until_banner_or_exit(timeout=120)
+            code = run.process.wait(timeout=60)
+        finally:
+            run.stop()
+    assert code != 0
+    assert "RefundOps is running" not in output
+    assert f"127.0.0.1:{port} is already in use" in output, output
