@@ -10,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import environ
+from kombu import Exchange, Queue
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -128,6 +129,9 @@ CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 CELERY_TASK_ROUTES = ("refundops.tasks.route_payment_task",)
 # What a worker serving every queue consumes; run one worker per gateway queue to isolate them.
 CELERY_WORKER_QUEUES = ["default", "payments.sandbox", "payments.stripe", "payments.paypal"]
+# Declared, so a plain `celery -A refundops worker` consumes every one of them; `-Q payments.stripe`
+# still narrows a worker to one gateway.
+CELERY_TASK_QUEUES = [Queue(name, Exchange(name), routing_key=name) for name in CELERY_WORKER_QUEUES]
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_BEAT_SCHEDULE = {
     "sync-submitted-refunds": {"task": "refundops.tasks.sync_submitted_refunds",
