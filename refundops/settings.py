@@ -133,7 +133,12 @@ CELERY_WORKER_QUEUES = ["default", "payments.sandbox", "payments.stripe", "payme
 # still narrows a worker to one gateway.
 CELERY_TASK_QUEUES = [Queue(name, Exchange(name), routing_key=name) for name in CELERY_WORKER_QUEUES]
 CELERY_TASK_DEFAULT_QUEUE = "default"
+# The transactional outbox (refundops/outbox.py): a row unsent this long after its commit (the
+# broker was down, or the process died) is sent by beat's relay, which runs this often.
+OUTBOX_GRACE_SECONDS = env.int("OUTBOX_GRACE_SECONDS", default=10)
+OUTBOX_SWEEP_SECONDS = env.int("OUTBOX_SWEEP_SECONDS", default=15)
 CELERY_BEAT_SCHEDULE = {
+    "relay-outbox": {"task": "refundops.tasks.relay_outbox", "schedule": timedelta(seconds=OUTBOX_SWEEP_SECONDS)},
     "sync-submitted-refunds": {"task": "refundops.tasks.sync_submitted_refunds",
                                "schedule": timedelta(seconds=env.int("SYNC_INTERVAL_SECONDS", default=30))},
     "resubmit-stalled-approved-refunds": {"task": "refundops.tasks.resubmit_stalled_refunds",

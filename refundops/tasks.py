@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import logging
 import random
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from celery import shared_task
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 
 from processors.base import ProcessorDeclined, ProcessorUnavailable
-from refundops import outbound
+from refundops import breaker, outbound, outbox
+from refundops.errors import ApiError
 from refundops.models import Refund, RefundState
 from refundops.services import attempts, link_expiry, payouts
 
@@ -37,10 +37,11 @@ def route_payment_task(name, args, kwargs, options, task=None, **kw):
 
 
 def enqueue_submission(refund_id: str, *, processor: str | None = None) -> None:
-    """Hand an approved refund to the worker once the approving transaction commits. A caller that
-    knows the payment's ``processor`` names it, which spares the router its query."""
-    queue = payment_queue(processor) if processor else None  # None: the router looks it up
-    transaction.on_commit(lambda: submit_refund.apply_async(kwargs={"refund_id": refund_id}, queue=queue))
+    """Hand an approved refund to the worker once the approving transaction commits, through the
+    outbox: a broker that is down then delays the submission, never loses it or fails the caller.
+    A caller that knows the payment's ``processor`` names it, which spares the router its query."""
+    outbox.send_after_commit(submit_refund.name, {"refund_id": refund_id},
+                             queue=payment_queue(processor) if processor else "")  # "": the router decides
 
 
 def backoff_seconds(attempt: int, *, retry_after: float | None = None) -> float:
@@ -134,6 +135,22 @@ def deliver_webhook(self, *, delivery_id: str) -> str:
         countdown = max(0.0, (delivery.next_attempt_at - timezone.now()).total_seconds())
         raise self.retry(countdown=countdown)
     return delivery.status
+
+
+@shared_task
+def relay_outbox() -> int:
+    """Send what the outbox still holds ``OUTBOX_GRACE_SECONDS`` after it was written: effects
+    whose send failed at commit (the broker was down) or whose process died before sending."""
+    return outbox.relay_unsent()
+
+
+@shared_task(bind=True, max_retries=10)
+def count_agent_refund(self, *, amount_minor: int, currency: str, at: str) -> None:
+    """The breaker's count of one approved agent refund, in the minute it was approved."""
+    try:
+        breaker.record_refund(amount_minor, currency, datetime.fromisoformat(at))
+    except ApiError:  # its Redis is away: count it when it is back, still in its own minute
+        raise self.retry(countdown=5) from None
 
 
 @shared_task

@@ -9,7 +9,7 @@ from django.test.utils import CaptureQueriesContext
 
 from audit.models import AuditEntry, Verdict
 from audit.chain import verify_chain
-from refundops.models import IdempotencyRecord, Refund, RefundState
+from refundops.models import IdempotencyRecord, OutboxMessage, Refund, RefundState
 from refundops.tasks import submit_refund
 from tests.conftest import make_payment, post
 
@@ -19,11 +19,13 @@ pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, a
 # limits; hold rules; running totals; SAVEPOINT; the refund, its history and the merchant
 # endpoints, twice (requested, then approved); the payment's sums; the platform lock; running
 # totals again; RELEASE; the verdict; the audit entry (no lock: sealed after the commit); the
-# stored answer; COMMIT. The submission is routed by the payment's processor, without a query.
-APPROVED_REFUND_STATEMENTS = 22
+# stored answer; the two outbox rows (the breaker's count and the submission); COMMIT. After the
+# commit, no lock held: each row's nudge claims it and marks it sent (two statements each). The
+# submission is routed by the payment's processor, without a query.
+APPROVED_REFUND_STATEMENTS = 28
 
 
-def test_an_approved_refund_takes_22_statements_and_keeps_every_invariant(api, policy, monkeypatch):
+def test_an_approved_refund_takes_28_statements_and_keeps_every_invariant(api, policy, monkeypatch):
     sent: list[dict] = []
     monkeypatch.setattr(submit_refund, "apply_async", lambda **options: sent.append(options))
     # The key's first use is stamped and the platform row made once; neither is the steady state.
@@ -48,3 +50,4 @@ def test_an_approved_refund_takes_22_statements_and_keeps_every_invariant(api, p
     assert AuditEntry.objects.filter(action="refund.approved", subject_id=refund.pk).exists()
     assert list(verify_chain())[-1][2] == "ok"
     assert sent[-1] == {"kwargs": {"refund_id": refund.pk}, "queue": "payments.sandbox"}
+    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()  # both effects sent on commit

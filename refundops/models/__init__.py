@@ -25,6 +25,7 @@ from refundops.models.payments import (
     new_payment_id,
     new_payment_operation_id,
 )
+from refundops.models.outbox import OutboxMessage
 from refundops.models.reconciliation import LedgerDiscrepancy, new_discrepancy_id
 from refundops.models.refunds import (
     COUNTING_STATES,
@@ -39,7 +40,7 @@ from refundops.models.webhooks import MerchantEndpoint, WebhookDelivery, new_del
 
 __all__ = [
     "COUNTING_STATES", "RESERVING_STATES", "Agent", "AgentKey", "Capability", "Customer", "Dispute",
-    "DisputeEvidenceDraft", "GatewayAttempt", "GatewayCustomer", "HoldRules", "LedgerDiscrepancy", "IdempotencyRecord", "MerchantEndpoint", "Payment",
+    "DisputeEvidenceDraft", "GatewayAttempt", "GatewayCustomer", "HoldRules", "LedgerDiscrepancy", "IdempotencyRecord", "MerchantEndpoint", "OutboxMessage", "Payment",
     "PaymentLink", "PaymentLinkTemplate", "PaymentOperation", "PlatformState", "Reason", "Refund", "RefundLimits",
     "RefundState", "WebhookDelivery", "new_agent_id", "new_customer_id", "new_discrepancy_id", "new_delivery_id", "new_dispute_id",
     "new_endpoint_id", "new_evidence_draft_id", "new_gateway_attempt_id", "new_link_template_id", "new_payment_id", "new_payment_link_id",

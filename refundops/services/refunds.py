@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from audit.models import Verdict
 from audit.services import record_audit
-from refundops import breaker, idempotency
+from refundops import breaker, idempotency, outbox
 from refundops.answers import Answer, error_answer, suggested_message
 from refundops.callers import Caller
 from refundops.errors import ApiError
@@ -138,7 +138,7 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     # it, it counts as off (it almost always is; when it is on, the decision is overturned).
     decision, totals = decide(paused=False)
     try:
-        with transaction.atomic():  # a savepoint; on_commit callbacks made inside go if it is undone
+        with transaction.atomic():  # a savepoint; outbox rows written inside go if it is undone
             refund = _write_refund(caller=caller, payment=payment, ask=ask, decision=decision, verdict=verdict,
                                    now=now, idempotency_key=idempotency_key)
             paused = lock_platform().refunds_paused
@@ -155,8 +155,9 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     if refund is not None:
         if refund.status == RefundState.APPROVED and caller.is_agent:
             # Counted once committed, outside the lock; is_open above already fails closed without Redis.
-            amount, currency = refund.amount_minor, refund.currency
-            transaction.on_commit(lambda: breaker.record_refund(amount, currency, now), robust=True)
+            outbox.send_after_commit("refundops.tasks.count_agent_refund",
+                                     {"amount_minor": refund.amount_minor, "currency": refund.currency,
+                                      "at": now.isoformat()})
         record_audit(actor=caller.label, action=f"refund.{refund.status}", subject_type="refund",
                      subject_id=refund.pk, data={"verdict_id": verdict.id, "payment_id": payment.pk,
                                                  "amount_minor": refund.amount_minor,

@@ -1,0 +1,103 @@
+"""The transactional outbox: effects that must follow a commit, written in the deciding transaction.
+
+A service calls :func:`send_after_commit` inside its transaction: the task to run is a row of
+that transaction, so it exists exactly when the change it follows does. Once the transaction
+commits, a nudge tries to send just those rows to the broker; a broker that is down is logged,
+never raised to the caller (whose change stands), and the row waits. Beat's ``relay_outbox``
+sends every row still unsent ``OUTBOX_GRACE_SECONDS`` after it was written.
+
+A sender claims rows before it sends them (one statement that skips rows another sender has
+locked and takes only rows nobody holds), so the nudge and the relay, or two relays, never send
+one row twice. A sender that dies between sending and marking the row sent lets go after
+``CLAIM_SECONDS``, and the row is sent again: delivery is at least once, and every task we send
+through here is safe to run twice (keyed gateway calls, idempotent deliveries and counts).
+
+Imports only models: services, approvals and ``outbound`` write here; ``tasks`` relays from here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+from celery import current_app
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from refundops.models import OutboxMessage
+
+log = logging.getLogger(__name__)
+
+# How long a claim holds a row: far longer than one publish takes.
+CLAIM_SECONDS = 60
+
+_TABLE = OutboxMessage._meta.db_table
+_CLAIM_SQL = f"""
+UPDATE {_TABLE} SET next_try_at = %s, tries = tries + 1
+ WHERE id IN (SELECT id FROM {_TABLE}
+               WHERE sent_at IS NULL AND next_try_at <= %s AND created_at <= %s {{only}}
+               ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)
+RETURNING id, task, kwargs, queue"""
+
+
+def send_after_commit(task: str, kwargs: dict[str, Any], *, queue: str = "") -> OutboxMessage:
+    """Run ``task(**kwargs)`` once the caller's transaction commits, and never lose it: the row is
+    written in that transaction, and a failed send is retried by the relay. ``kwargs`` are JSON."""
+    message = OutboxMessage.objects.create(task=task, kwargs=kwargs, queue=queue)
+    transaction.on_commit(lambda: _nudge(message.pk), robust=True)
+    return message
+
+
+def _nudge(message_id: int) -> None:
+    """Right after the commit: send this one row. Whatever goes wrong is the relay's to retry."""
+    try:
+        send_claimed(_claim(ids=[message_id], now=timezone.now()))
+    except Exception:  # noqa: BLE001 - the caller's change stands; the relay sends it later
+        log.exception("outbox: could not send message %s after commit; the relay will", message_id)
+
+
+def relay_unsent(*, older_than_seconds: float | None = None, limit: int = 500) -> int:
+    """Send rows unsent ``OUTBOX_GRACE_SECONDS`` after they were written (their nudge failed or its
+    process died). Returns how many were sent."""
+    if older_than_seconds is None:
+        older_than_seconds = settings.OUTBOX_GRACE_SECONDS
+    now = timezone.now()
+    return send_claimed(_claim(now=now, written_before=now - timedelta(seconds=older_than_seconds), limit=limit))
+
+
+def _claim(*, now, ids: Iterable[int] | None = None, written_before=None, limit: int = 1) -> list[tuple]:
+    """Take unsent rows nobody holds, for ``CLAIM_SECONDS``; one statement, so it is its own
+    transaction and a row is never claimed twice."""
+    only, params = "", []
+    if ids is not None:
+        ids = list(ids)
+        only, params, limit = "AND id = ANY(%s)", [ids], len(ids)
+    with connection.cursor() as cursor:
+        cursor.execute(_CLAIM_SQL.format(only=only),
+                       [now + timedelta(seconds=CLAIM_SECONDS), now, written_before or now, *params, limit])
+        return cursor.fetchall()
+
+
+def send_claimed(rows: list[tuple]) -> int:
+    """Publish each claimed row on its own: one that fails never keeps the others from going."""
+    sent: list[int] = []
+    for message_id, task, kwargs, queue in rows:
+        try:
+            if isinstance(kwargs, str):  # Django reads jsonb as text on a raw cursor
+                kwargs = json.loads(kwargs)
+            current_app.tasks[task].apply_async(kwargs=kwargs, queue=queue or None)
+        except Exception as exc:  # noqa: BLE001 - a broker error, or a task this process lacks
+            log.warning("outbox: sending %s (%s) failed: %s", task, message_id, exc)
+            # Free for the relay's next sweep (the sweep interval is the backoff).
+            OutboxMessage.objects.filter(pk=message_id).update(
+                next_try_at=timezone.now(), last_error=f"{type(exc).__name__}: {exc}"[:1000])
+        else:
+            sent.append(message_id)
+    if sent:
+        OutboxMessage.objects.filter(pk__in=sent).update(sent_at=timezone.now())
+    return len(sent)
+

@@ -1,0 +1,146 @@
+"""The transactional outbox: every effect that must follow a commit is a row of the deciding
+transaction, nudged to the broker on commit and swept by beat. A broker outage never fails a
+committed request and never loses its effects; one failing effect never skips another; two
+senders never send one row twice. The broker is the real Redis, made unreachable by pointing the
+Celery app at a dead port or by refusing one message at kombu's Redis transport."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+import redis
+from django.conf import settings as django_settings
+from django.db import transaction
+from django.utils import timezone
+from kombu.transport import redis as kombu_redis
+
+from processors import sandbox
+from refundops import outbox
+from refundops.celery import app as celery_app
+from refundops.models import OutboxMessage, Refund, RefundState
+from refundops.tasks import relay_outbox
+from tests.conftest import make_payment, post, race
+from tests.fakes.fixtures import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)  # real commits: the outbox acts on them
+
+DEAD_BROKER = "redis://127.0.0.1:9/0"  # nothing listens on the discard port
+
+
+@contextmanager
+def broker_at(url: str) -> Iterator[None]:
+    """Publish to ``url`` for real (not eagerly), as a fresh process would: no pooled connection."""
+    conf = celery_app.conf
+    saved = conf.broker_url, conf.task_always_eager
+    conf.broker_url, conf.task_always_eager = url, False
+    celery_app._after_fork()  # Celery's own reset of its connection and producer pools
+    try:
+        yield
+    finally:
+        conf.broker_url, conf.task_always_eager = saved
+        celery_app._after_fork()
+
+
+def queued(queue: str) -> list[dict]:
+    """The messages waiting in one Redis queue, as (task name, kwargs)."""
+    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    messages = []
+    for raw in client.lrange(f"{django_settings.REDIS_KEY_PREFIX}{queue}", 0, -1):
+        message = json.loads(raw)
+        _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+        messages.append({"task": message["headers"]["task"], "kwargs": kwargs})
+    return messages
+
+
+def test_a_broker_outage_at_commit_answers_201_and_the_relay_sends_the_submission_later(
+        api, policy, worker, settings):
+    sandbox.set_mode("up", settle_delay_seconds=0)
+    payment = make_payment(amount=5_000)
+
+    with broker_at(DEAD_BROKER):
+        response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_000,
+                                                 "reason": "duplicate"})
+
+    assert response.status_code == 201, response.content  # the approval stands: the caller is told so
+    refund = Refund.objects.get(pk=response.json()["refund"]["id"])
+    assert refund.status == RefundState.APPROVED
+    submission = OutboxMessage.objects.get(task="refundops.tasks.submit_refund")
+    assert submission.kwargs == {"refund_id": refund.pk} and submission.queue == "payments.sandbox"
+    assert submission.sent_at is None and submission.tries == 1 and submission.last_error
+    assert not OutboxMessage.objects.filter(sent_at__isnull=False).exists()  # the breaker's count waits too
+
+    settings.OUTBOX_GRACE_SECONDS = 0
+    assert relay_outbox() == 2  # beat's sweep, with the broker back (the worker fixture's Redis)
+
+    wait_for(lambda: Refund.objects.get(pk=refund.pk).status == RefundState.SETTLED, what="settled")
+    submission.refresh_from_db()
+    assert submission.sent_at is not None and submission.tries == 2
+    assert relay_outbox() == 0  # sent once: the next sweep finds nothing
+
+
+def test_one_effect_the_broker_refuses_never_keeps_the_others_from_going(api, policy, monkeypatch):
+    refused: list[str] = []
+    put = kombu_redis.Channel._put
+
+    def refuse_the_breaker_count(self, queue, message, **kwargs):  # the broker refuses one message
+        if message["headers"]["task"] == "refundops.tasks.count_agent_refund":
+            refused.append(message["headers"]["id"])
+            raise redis.exceptions.ConnectionError("Connection reset by peer")
+        return put(self, queue, message, **kwargs)
+
+    monkeypatch.setattr(kombu_redis.Channel, "_put", refuse_the_breaker_count)
+    payment = make_payment(amount=5_000)
+
+    with broker_at(django_settings.REDIS_URL):
+        response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_000,
+                                                 "reason": "duplicate"})
+
+    assert response.status_code == 201
+    refund_id = response.json()["refund"]["id"]
+    assert refused  # the breaker's count (the first effect written) was refused, and is kept
+    count = OutboxMessage.objects.get(task="refundops.tasks.count_agent_refund")
+    assert count.sent_at is None and "Connection reset by peer" in count.last_error
+    submission = OutboxMessage.objects.get(task="refundops.tasks.submit_refund")
+    assert submission.sent_at is not None  # the next effect went all the same
+    assert queued("payments.sandbox") == [{"task": "refundops.tasks.submit_refund",
+                                           "kwargs": {"refund_id": refund_id}}]
+
+    poll = OutboxMessage.objects.create(  # written after the count; its nudge died with its process
+        task="refundops.tasks.poll_refund", kwargs={"refund_id": refund_id}, queue="default",
+        created_at=timezone.now() - timedelta(minutes=1))
+    with broker_at(django_settings.REDIS_URL):  # the relay, too, goes on past a refused row
+        assert outbox.relay_unsent(older_than_seconds=0) == 1
+    count.refresh_from_db()
+    assert count.sent_at is None and count.tries == 2  # tried again, refused again, kept
+    assert OutboxMessage.objects.get(pk=poll.pk).sent_at is not None
+
+
+def test_the_nudge_and_two_relays_racing_send_each_row_once(settings):
+    settings.OUTBOX_GRACE_SECONDS = 0  # the relays take a row the moment it is committed
+    n = 80
+
+    def write_then_nudge() -> None:
+        with transaction.atomic():  # committed at once; then each row's nudge sends it
+            for i in range(n):
+                outbox.send_after_commit("refundops.tasks.poll_refund", {"refund_id": f"rf_{i}"}, queue="default")
+
+    def relay_until_all_sent() -> int:
+        relayed, deadline = 0, time.monotonic() + 20
+        while time.monotonic() < deadline and (
+                OutboxMessage.objects.count() < n or OutboxMessage.objects.filter(sent_at__isnull=True).exists()):
+            relayed += outbox.relay_unsent(limit=3)
+        return relayed
+
+    with broker_at(django_settings.REDIS_URL):
+        race(3, lambda i: write_then_nudge() if i == 0 else relay_until_all_sent())
+
+    messages = queued("default")
+    assert sorted(m["kwargs"]["refund_id"] for m in messages) == sorted(f"rf_{i}" for i in range(n))
+    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
+    assert set(OutboxMessage.objects.values_list("tries", flat=True)) == {1}  # each claimed once
