@@ -10,6 +10,9 @@ issue name as the code).
 from __future__ import annotations
 
 import json
+import threading
+import time
+from urllib.parse import urlsplit
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +20,7 @@ from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+import redis
 import requests
 from apimatic_core.exceptions.auth_validation_exception import AuthValidationException
 from paypalserversdk.configuration import Configuration, Environment, Server
@@ -46,6 +50,7 @@ from processors.base import (
     WebhookEvent,
 )
 from processors.money import Money, currency_exponent
+from processors.redis_client import redis_client, redis_key
 
 STATUSES: dict[str, RefundStatus] = {
     "COMPLETED": "succeeded",
@@ -66,6 +71,14 @@ TRANSMISSION_HEADERS = {
 }
 
 CUSTOM_ID_MAX = 127  # PayPal's limit for custom_id
+# Where PayPal keeps the certificates it signs webhooks with; a transmission naming any other is forged.
+CERT_HOSTS = frozenset({"api.paypal.com", "api-m.paypal.com", "api.sandbox.paypal.com", "api-m.sandbox.paypal.com"})
+WEBHOOK_TOLERANCE_SECONDS = 300  # PayPal stamps each transmission (retries too) when it sends it
+
+# One OAuth token per PayPal app (base URL, client id) per process, kept until it expires: every
+# adapter instance (one per call) used to fetch its own, spending PayPal's rate limit on tokens.
+_tokens: dict[tuple[str, str], OAuthToken] = {}
+_tokens_lock = threading.Lock()
 EVIDENCE_NOTES_MAX = 2_000  # characters in one evidence's notes
 
 # A capture in these states took the money (pending: PayPal holds it, but it is taken).
@@ -221,6 +234,11 @@ def _reading(what: str, *, after_write: bool = False) -> Iterator[None]:
         raise error(f"paypal {what}: an answer RefundOps cannot read ({exc})", code="malformed_response") from None
 
 
+def forget_tokens() -> None:
+    with _tokens_lock:
+        _tokens.clear()
+
+
 @contextmanager
 def _edge(action: str) -> Iterator[None]:
     """Translate every SDK and transport error raised inside; nothing else escapes."""
@@ -228,6 +246,8 @@ def _edge(action: str) -> Iterator[None]:
         yield
     except ApiException as exc:
         status = exc.response_code
+        if status == 401:
+            forget_tokens()  # revoked or rotated: the next call fetches a new one
         message = f"paypal {action}: HTTP {status} {getattr(exc, 'message', None) or exc.reason}"
         if status == 429 or status >= 500:
             raise ProcessorUnavailable(message, code=_error_code(exc),
@@ -249,6 +269,9 @@ class PayPalProcessor:
         environment = (Environment.PRODUCTION if config.get("environment") == "production"
                        else Environment.SANDBOX)
         self._token: OAuthToken | None = None
+        self._client_id = str(config["client_id"])
+        self.webhook_tolerance = int(config.get("webhook_tolerance") or WEBHOOK_TOLERANCE_SECONDS)
+        self.verify_per_minute = int(config.get("webhook_verify_per_minute") or 120)
         self.configuration = _Configuration(
             base_url=config.get("base_url") or "",
             environment=environment,
@@ -366,6 +389,7 @@ class PayPalProcessor:
         missing = [TRANSMISSION_HEADERS[f] for f, value in transmission.items() if not value]
         if missing:
             raise InvalidWebhook(f"missing {', '.join(missing)}", code="missing_signature")
+        self._plausible(transmission)
         try:
             event = json.loads(payload)
             resource = event["resource"]
@@ -376,13 +400,16 @@ class PayPalProcessor:
                                          object_id=str(object_id), data=resource)
         except (ValueError, KeyError, TypeError) as exc:
             raise InvalidWebhook(f"malformed PayPal event: {exc}", code="malformed") from None
+        self._spend_verification()
         with _edge("verify webhook"):
             answer = requests.post(
                 f"{self.configuration.get_base_uri()}/v1/notifications/verify-webhook-signature",
                 json={**transmission, "webhook_id": self.webhook_id, "webhook_event": event},
                 headers={"Authorization": f"Bearer {self._access_token()}"},
                 timeout=self.timeout)
-        if answer.status_code == 429 or answer.status_code >= 500:
+        if answer.status_code == 401:
+            forget_tokens()
+        if answer.status_code in (401, 429) or answer.status_code >= 500:
             raise ProcessorUnavailable(f"paypal verify webhook: HTTP {answer.status_code}",
                                        retry_after=_retry_after(answer.headers))
         try:
@@ -393,6 +420,40 @@ class PayPalProcessor:
             raise InvalidWebhook(f"PayPal did not verify the event (HTTP {answer.status_code}, "
                                  f"{status or 'no verification_status'})")
         return webhook_event
+
+    def _plausible(self, transmission: Mapping[str, str]) -> None:
+        """What we can check ourselves before asking PayPal (with our token, on our rate limit):
+        PayPal's algorithm, a certificate on PayPal's hosts, a transmission sent just now.
+        (The webhook id is inside the RSA signature, which only PayPal's verify call checks.)"""
+        if transmission["auth_algo"] != "SHA256withRSA":
+            raise InvalidWebhook(f"PayPal signs with SHA256withRSA, not {transmission['auth_algo'][:40]!r}")
+        cert = urlsplit(transmission["cert_url"])
+        if cert.scheme != "https" or cert.hostname not in CERT_HOSTS or cert.port not in (None, 443):
+            raise InvalidWebhook("the certificate URL is not on PayPal's hosts")
+        try:
+            sent = datetime.fromisoformat(transmission["transmission_time"].replace("Z", "+00:00"))
+            age = abs(time.time() - sent.timestamp())
+        except (ValueError, OverflowError):
+            raise InvalidWebhook("PAYPAL-TRANSMISSION-TIME is not a time") from None
+        if age > self.webhook_tolerance:
+            raise InvalidWebhook(f"the transmission is {int(age)}s old; at most {self.webhook_tolerance}s is "
+                                 "accepted", code="stale")
+
+    def _spend_verification(self) -> None:
+        """At most ``webhook_verify_per_minute`` verify calls per account: forged deliveries that
+        pass :meth:`_plausible` cannot spend the rate limit that refunds depend on. Past it the
+        delivery is asked to come again (PayPal retries for three days)."""
+        key = redis_key(f"paypal:verify:{self.account}:{int(time.time() // 60)}")
+        try:
+            client = redis_client()
+            count = client.incr(key)
+            if count == 1:
+                client.expire(key, 120)
+        except redis.RedisError:
+            return  # our outage is not PayPal's: verify as before
+        if count > self.verify_per_minute:
+            raise ProcessorUnavailable("paypal verify webhook: this minute's verification budget is spent",
+                                       code="verify_budget", retry_after=60 - time.time() % 60)
 
     # -- PayPal-only operations ------------------------------------------------------------------
     def fetch_dispute(self, dispute_id: str) -> PayPalDispute:
@@ -533,10 +594,18 @@ class PayPalProcessor:
                                     code=_body_code(answer))
 
     def _fetch_token(self, last_token: OAuthToken | None, auth: OAuth2) -> OAuthToken:
-        """The SDK's own token call, given as a provider so its failures reach :func:`_edge`
-        (the SDK's default path swallows them into a bare "token undefined" error)."""
-        self._token = auth.fetch_token()
-        return self._token
+        """The process's token for this app while it lasts; else the SDK's own token call, given
+        as a provider so its failures reach :func:`_edge` (the SDK's default path swallows them
+        into a bare "token undefined" error)."""
+        app = (self.configuration.get_base_uri(), self._client_id)
+        with _tokens_lock:
+            cached = _tokens.get(app)
+        if cached is None or auth.is_token_expired(cached):
+            cached = auth.fetch_token()
+            with _tokens_lock:
+                _tokens[app] = cached
+        self._token = cached
+        return cached
 
     def _access_token(self) -> str:
         if not self.client.oauth_2.is_valid() or self._token is None:

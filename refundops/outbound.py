@@ -6,7 +6,8 @@ always is. Each delivery is attempted by ``refundops.tasks.deliver_webhook`` wit
 backoff and jitter, logged attempt by attempt, and can be sent again by hand (:func:`redeliver`).
 
 Settings (optional): ``WEBHOOK_MAX_ATTEMPTS`` (10), ``WEBHOOK_BACKOFF_BASE_SECONDS`` (10),
-``WEBHOOK_BACKOFF_MAX_SECONDS`` (21600), ``WEBHOOK_TIMEOUT_SECONDS`` (10).
+``WEBHOOK_BACKOFF_MAX_SECONDS`` (21600), ``WEBHOOK_TIMEOUT_SECONDS`` (10: the whole call's deadline).
+Calls go through :mod:`refundops.merchant_http`: public addresses only, checked at connect time.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import random
 from datetime import timedelta
 from typing import Any
 
-import requests
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F
@@ -26,6 +26,7 @@ from django.utils import timezone
 from audit.ids import new_id
 from audit.services import record_audit
 from processors import signing
+from refundops import merchant_http
 from refundops.models import MerchantEndpoint, Refund, WebhookDelivery
 from refundops.services.refunds import refund_json
 
@@ -97,19 +98,13 @@ def attempt_delivery(*, delivery_id: str) -> WebhookDelivery:
     if delivery.status != WebhookDelivery.Status.PENDING:
         return delivery
     body = body_bytes(delivery.payload)
-    code: int | None = None
-    error = ""
-    try:
-        answer = requests.post(
-            delivery.endpoint.url, data=body, timeout=_setting("WEBHOOK_TIMEOUT_SECONDS"),
-            allow_redirects=False,  # a redirect is not a delivery
-            headers={"Content-Type": "application/json", "User-Agent": "RefundOps-Webhooks/1",
-                     SIGNATURE_HEADER: signing.sign(body, delivery.endpoint.secret)})
-        code = answer.status_code
-        if not 200 <= code < 300:
-            error = f"HTTP {code}: {answer.text[:500]}"
-    except requests.RequestException as exc:
-        error = f"{type(exc).__name__}: {exc}"[:1000]
+    # Only the status and the answer's size are kept: the body is the merchant's (or, for a URL
+    # that points somewhere it should not, someone else's) and is never stored or shown.
+    answer = merchant_http.post(
+        delivery.endpoint.url, body, deadline_seconds=_setting("WEBHOOK_TIMEOUT_SECONDS"),
+        headers={"Content-Type": "application/json", "User-Agent": "RefundOps-Webhooks/1",
+                 SIGNATURE_HEADER: signing.sign(body, delivery.endpoint.secret)})
+    code, error = answer.status, answer.error
     return _record_attempt(delivery.pk, code=code, error=error)
 
 

@@ -288,6 +288,11 @@ WEBHOOK_MAX_BODY_BYTES = env.int("WEBHOOK_MAX_BODY_BYTES", default=512 * 1024)
 # Deliveries per client address and gateway per RATE_LIMIT_WINDOW_SECONDS (0: off). REMOTE_ADDR:
 # behind a proxy that rewrites it, every gateway shares the proxy's budget.
 RATE_LIMIT_WEBHOOK_PER_MINUTE = env.int("RATE_LIMIT_WEBHOOK_PER_MINUTE", default=600)
+# Merchant endpoints may resolve only to public addresses (refundops.merchant_http); true lets a
+# receiver on this machine or network in, for development and tests. Never in production.
+MERCHANT_WEBHOOK_ALLOW_PRIVATE = env.bool("MERCHANT_WEBHOOK_ALLOW_PRIVATE", default=False)
+if PRODUCTION and MERCHANT_WEBHOOK_ALLOW_PRIVATE:
+    raise ImproperlyConfigured("MERCHANT_WEBHOOK_ALLOW_PRIVATE=true would let merchant URLs reach inside the network.")
 WEBHOOK_MAX_ATTEMPTS = env.int("WEBHOOK_MAX_ATTEMPTS", default=10)
 WEBHOOK_BACKOFF_BASE_SECONDS = env.int("WEBHOOK_BACKOFF_BASE_SECONDS", default=10)
 WEBHOOK_BACKOFF_MAX_SECONDS = env.int("WEBHOOK_BACKOFF_MAX_SECONDS", default=21600)

@@ -27,6 +27,8 @@ _seq = itertools.count(1)
 
 def pytest_configure(config):
     settings.CELERY_TASK_ALWAYS_EAGER = True
+    # Merchant receivers in tests listen on 127.0.0.1; tests/test_merchant_calls.py turns this off.
+    settings.MERCHANT_WEBHOOK_ALLOW_PRIVATE = True
     _flush_past_the_audit_triggers()
 
 

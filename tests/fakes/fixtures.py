@@ -18,7 +18,7 @@ import stripe
 from celery.contrib.testing.worker import start_worker
 from django.utils import timezone
 
-from processors.paypal import PayPalProcessor
+from processors.paypal import PayPalProcessor, forget_tokens
 from processors.stripe import StripeProcessor
 from refundops.celery import app as celery_app
 from refundops.models import Payment
@@ -60,6 +60,7 @@ def stripe_processor(stripe_config: dict[str, object]) -> StripeProcessor:
 
 @pytest.fixture
 def paypal_fake() -> Iterator[FakePayPal]:
+    forget_tokens()  # a token cached for an earlier fake on the same port is not this one's
     fake = FakePayPal(client_id="refundops-client", client_secret="refundops-secret").start()
     yield fake
     fake.stop()
