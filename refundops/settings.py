@@ -55,6 +55,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "refundops.metrics.RequestMetricsMiddleware",  # first: counts every answer, refusals included
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",  # the admin's static files, under any server
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -262,6 +263,9 @@ PROCESSORS = {
         "webhook_id": env("PAYPAL_WEBHOOK_ID", default=""),
     }},
 }
+
+# /metrics answers "Authorization: Bearer $METRICS_TOKEN"; unset, only loopback in development mode.
+METRICS_TOKEN = env("METRICS_TOKEN", default="")
 
 # Where customers open sandbox payment links (the sandbox's hosted page is served by this app).
 PUBLIC_BASE_URL = env("PUBLIC_BASE_URL", default="http://127.0.0.1:8000").rstrip("/")

@@ -9,6 +9,7 @@ looked up at the gateway before anything else is decided (``services/attempts.py
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from datetime import datetime
@@ -29,6 +30,7 @@ from processors.base import (
     RefundResult,
 )
 from processors.registry import get_processor
+from refundops import metrics
 from refundops.locks import lock_payment, lock_refund
 from refundops.models import GatewayAttempt, LedgerDiscrepancy, Refund, RefundState
 from refundops.services import attempts
@@ -55,14 +57,18 @@ def call_gateway(gateway: str, account: str, call: Callable[[], T]) -> T:
     wait = breaker.wait_seconds(gateway, account)
     if wait > 0:
         raise CircuitOpen(gateway, account, wait)
+    started = time.perf_counter()
     try:
         result = call()
     except ProcessorUnavailable:
+        metrics.record_gateway_call(gateway, "unavailable", time.perf_counter() - started)
         breaker.record_unavailable(gateway, account)
         raise
     except ProcessorDeclined:
+        metrics.record_gateway_call(gateway, "declined", time.perf_counter() - started)
         breaker.record_success(gateway, account)  # a final answer: the gateway is reachable
         raise
+    metrics.record_gateway_call(gateway, "ok", time.perf_counter() - started)
     breaker.record_success(gateway, account)
     return result
 
