@@ -105,6 +105,17 @@ class CaptureResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PaymentState:
+    """Where an authorisation stands at its gateway: what a void or capture whose answer was lost
+    is resolved by (``fetch_payment_state``)."""
+
+    reference: str
+    status: Literal["authorized", "captured", "capture_pending", "voided"]
+    captured: Money | None = None  # what the gateway captured, when it says
+    capture_reference: str = ""  # the capture's id where the gateway gives it one (PayPal)
+
+
+@dataclass(frozen=True, slots=True)
 class WebhookEvent:
     """A verified inbound event, reduced to what we act on."""
 
@@ -129,6 +140,41 @@ class ProcessorUnavailable(ProcessorError):
                  retry_after: float | None = None) -> None:
         super().__init__(message, code=code)
         self.retry_after = retry_after
+
+
+class OutcomeUnknown(ProcessorUnavailable):
+    """A write whose answer was lost after it may have reached the gateway: a read timeout, a
+    connection dropped after the request was sent, a 5xx other than 503, an answer that could not
+    be read. The gateway may have acted. Look the object up before deciding anything; never take
+    it for "nothing changed". (A connection refused, a DNS failure, a 429 or 503 are plain
+    :class:`ProcessorUnavailable`: the gateway did not act.)"""
+
+    def __init__(self, message: str, *, code: str = "outcome_unknown", retry_after: float | None = None) -> None:
+        super().__init__(message, code=code, retry_after=retry_after)
+
+
+def request_may_have_been_sent(exc: BaseException) -> bool:
+    """For a transport error (``requests``/``urllib3``, possibly wrapped by an SDK): whether the
+    request may have reached the gateway. No connection (refused, unresolvable, a connect timeout,
+    a TLS handshake that failed) means it was never sent; a read timeout or a connection dropped
+    while waiting for the answer means it may have been acted on."""
+    import requests
+    import urllib3.exceptions as u3
+
+    never_sent = (requests.exceptions.ConnectTimeout, requests.exceptions.SSLError, u3.NewConnectionError,
+                  u3.ConnectTimeoutError, u3.NameResolutionError, ConnectionRefusedError)
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, never_sent):
+            return False
+        pending += [e for e in (current.__cause__, current.__context__, getattr(current, "reason", None),
+                                *current.args) if isinstance(e, BaseException)]
+    return True
 
 
 class ProcessorDeclined(ProcessorError):
@@ -160,5 +206,9 @@ class PaymentProcessor(Protocol):
 
     def capture(self, payment: PaymentRef, amount: Money, *, idempotency_key: str,
                 verdict_id: str) -> CaptureResult: ...
+
+    def fetch_payment_state(self, payment: PaymentRef) -> PaymentState:
+        """Where the payment's authorisation stands now (voided, captured, still authorised)."""
+        ...
 
     def verify_webhook(self, payload: bytes, headers: Mapping[str, str]) -> WebhookEvent: ...

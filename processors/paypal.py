@@ -38,8 +38,10 @@ from processors.base import (
     DisputeSubmission,
     GatewayRefund,
     InvalidWebhook,
+    OutcomeUnknown,
     PaymentBook,
     PaymentRef,
+    PaymentState,
     ProcessorDeclined,
     ProcessorError,
     ProcessorUnavailable,
@@ -48,6 +50,7 @@ from processors.base import (
     RefundStatus,
     VoidResult,
     WebhookEvent,
+    request_may_have_been_sent,
 )
 from processors.money import Money, currency_exponent
 from processors.redis_client import redis_client, redis_key
@@ -230,7 +233,7 @@ def _reading(what: str, *, after_write: bool = False) -> Iterator[None]:
     try:
         yield
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        error = ProcessorUnavailable if after_write else ProcessorDeclined
+        error = OutcomeUnknown if after_write else ProcessorDeclined
         raise error(f"paypal {what}: an answer RefundOps cannot read ({exc})", code="malformed_response") from None
 
 
@@ -240,8 +243,10 @@ def forget_tokens() -> None:
 
 
 @contextmanager
-def _edge(action: str) -> Iterator[None]:
-    """Translate every SDK and transport error raised inside; nothing else escapes."""
+def _edge(action: str, *, write: bool = False) -> Iterator[None]:
+    """Translate every SDK and transport error raised inside; nothing else escapes. For a write
+    (``write``), an answer lost after the request may have reached PayPal is
+    :class:`OutcomeUnknown`: PayPal may have acted."""
     try:
         yield
     except ApiException as exc:
@@ -249,11 +254,17 @@ def _edge(action: str) -> Iterator[None]:
         if status == 401:
             forget_tokens()  # revoked or rotated: the next call fetches a new one
         message = f"paypal {action}: HTTP {status} {getattr(exc, 'message', None) or exc.reason}"
+        if write and status >= 500 and status != 503:
+            raise OutcomeUnknown(message, code=_error_code(exc),
+                                 retry_after=_retry_after(exc.response.headers)) from exc
         if status == 429 or status >= 500:
             raise ProcessorUnavailable(message, code=_error_code(exc),
                                        retry_after=_retry_after(exc.response.headers)) from exc
         raise ProcessorDeclined(message, code=_error_code(exc)) from exc
     except requests.RequestException as exc:
+        if write and request_may_have_been_sent(exc):
+            raise OutcomeUnknown(f"paypal {action}: no answer after the request was sent ({exc})",
+                                 code="paypal_no_answer") from exc
         raise ProcessorUnavailable(f"paypal {action}: {exc}", code="paypal_unreachable") from exc
     except AuthValidationException as exc:
         raise ProcessorDeclined(f"paypal {action}: {exc}", code="AUTHENTICATION_FAILURE") from exc
@@ -340,7 +351,7 @@ class PayPalProcessor:
     def void(self, payment: PaymentRef, *, idempotency_key: str, verdict_id: str) -> VoidResult:
         # PayPal's void takes no body, so the verdict travels only in our own records.
         authorization_id = self._authorization_id(payment)
-        with _edge("void"):
+        with _edge("void", write=True):
             response = self.client.payments.void_payment({
                 "authorization_id": authorization_id,
                 "paypal_request_id": idempotency_key,
@@ -358,7 +369,7 @@ class PayPalProcessor:
         body = CaptureRequest(
             amount=PayPalMoney(currency_code=amount.currency, value=paypal_value(amount)),
             final_capture=True)
-        with _edge("capture"):
+        with _edge("capture", write=True):
             response = self.client.payments.capture_authorized_payment({
                 "authorization_id": authorization_id,
                 "paypal_request_id": idempotency_key,
@@ -376,6 +387,36 @@ class PayPalProcessor:
                 raise ValueError("a capture without an id")
             return CaptureResult(reference=str(capture.id), amount=captured,
                                  status="captured" if capture.status == "COMPLETED" else "pending")
+
+    def fetch_payment_state(self, payment: PaymentRef) -> PaymentState:
+        """The authorisation as PayPal has it now (``GET /v2/payments/authorizations/{id}``); once
+        captured, its captures are read from its order, each linking ``up`` to the authorisation."""
+        authorization_id = self._authorization_id(payment)
+        with _edge("fetch authorization"):
+            authorization = self.client.payments.get_authorized_payment({"authorization_id": authorization_id}).body
+        status, order_id = _read("authorization", authorization_id, lambda: (
+            str(authorization.status),
+            getattr(getattr(getattr(authorization, "supplementary_data", None), "related_ids", None),
+                    "order_id", None) or ""))
+        if status == "VOIDED":
+            return PaymentState(reference=authorization_id, status="voided")
+        if status not in ("CAPTURED", "PARTIALLY_CAPTURED"):
+            return PaymentState(reference=authorization_id, status="authorized")
+        captures: list[Any] = []
+        if order_id:
+            with _edge("fetch order"):
+                order = self.client.orders.get_order({"id": order_id}).body
+            captures = _read("order", order_id, lambda: [
+                c for unit in order.purchase_units or [] for c in getattr(unit.payments, "captures", None) or []
+                if _link_id(c, "up") == authorization_id and c.status in ("COMPLETED", "PENDING")])
+        if not captures:  # captured, PayPal says, but its captures are not to be read here
+            return PaymentState(reference=authorization_id, status="captured")
+        captured = _read("capture", captures[0].id, lambda: Money(
+            sum(money_from_paypal(c.amount.value, c.amount.currency_code).amount_minor for c in captures),
+            captures[0].amount.currency_code))
+        pending = all(c.status == "PENDING" for c in captures)
+        return PaymentState(reference=authorization_id, status="capture_pending" if pending else "captured",
+                            captured=captured, capture_reference=str(captures[0].id))
 
     def verify_webhook(self, payload: bytes, headers: Mapping[str, str]) -> WebhookEvent:
         """PayPal verifies its own signatures: we post the transmission headers and the event to

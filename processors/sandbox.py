@@ -22,6 +22,7 @@ from processors.base import (
     InvalidWebhook,
     PaymentBook,
     PaymentRef,
+    PaymentState,
     ProcessorDeclined,
     ProcessorUnavailable,
     RefundRequest,
@@ -160,6 +161,18 @@ class SandboxProcessor:
             charge.captured_minor = amount.amount_minor
             charge.save(update_fields=["captured_minor"])
         return CaptureResult(reference=payment.reference, amount=amount, status="captured")
+
+    def fetch_payment_state(self, payment: PaymentRef) -> PaymentState:
+        self._control()
+        charge = SandboxCharge.objects.filter(reference=payment.reference).first()
+        if charge is None:
+            raise ProcessorDeclined(f"no sandbox charge {payment.reference}", code="no_such_charge")
+        if charge.voided:
+            return PaymentState(reference=charge.reference, status="voided")
+        if charge.captured_minor:
+            return PaymentState(reference=charge.reference, status="captured",
+                                captured=Money(charge.captured_minor, charge.currency))
+        return PaymentState(reference=charge.reference, status="authorized")
 
     def verify_webhook(self, payload: bytes, headers: Mapping[str, str]) -> WebhookEvent:
         import json

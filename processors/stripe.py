@@ -26,8 +26,10 @@ from processors.base import (
     DisputeSubmission,
     GatewayRefund,
     InvalidWebhook,
+    OutcomeUnknown,
     PaymentBook,
     PaymentRef,
+    PaymentState,
     ProcessorDeclined,
     ProcessorUnavailable,
     RefundRequest,
@@ -35,6 +37,7 @@ from processors.base import (
     RefundStatus,
     VoidResult,
     WebhookEvent,
+    request_may_have_been_sent,
 )
 from processors.money import Money
 
@@ -139,11 +142,16 @@ def _retry_after(headers: Mapping[str, str] | None) -> float | None:
 
 
 @contextmanager
-def _edge(action: str) -> Iterator[None]:
-    """Translate every Stripe error raised inside into our two outcomes; nothing else escapes."""
+def _edge(action: str, *, write: bool = False) -> Iterator[None]:
+    """Translate every Stripe error raised inside into our outcomes; nothing else escapes. For a
+    write (``write``), an answer lost after the request may have reached Stripe is
+    :class:`OutcomeUnknown`: Stripe may have acted."""
     try:
         yield
     except stripe.APIConnectionError as exc:
+        if write and request_may_have_been_sent(exc):
+            raise OutcomeUnknown(f"stripe {action}: no answer after the request was sent ({exc.user_message or exc})",
+                                 code="stripe_no_answer") from exc
         raise ProcessorUnavailable(f"stripe {action}: {exc.user_message or exc}",
                                    code="stripe_unreachable") from exc
     except stripe.RateLimitError as exc:
@@ -166,6 +174,11 @@ def _edge(action: str) -> Iterator[None]:
         # APIError and anything newer: 5xx and 409 (a concurrent request holds the key) are
         # worth retrying; any other status is Stripe's final word.
         status = exc.http_status
+        if write and (status is None or (status >= 500 and status != 503) or status == 409):
+            # 409: our own earlier request with this key is still being processed.
+            raise OutcomeUnknown(f"stripe {action}: {exc.user_message or exc}",
+                                 code=exc.code or "stripe_unavailable",
+                                 retry_after=_retry_after(exc.headers)) from exc
         if status is None or status >= 500 or status == 409:
             raise ProcessorUnavailable(f"stripe {action}: {exc.user_message or exc}",
                                        code=exc.code or "stripe_unavailable",
@@ -188,7 +201,7 @@ class _Fields:
             self.fail(f"is {type(obj).__name__}, not an object")
 
     def fail(self, problem: str) -> NoReturn:
-        error = ProcessorUnavailable if self.after_write else ProcessorDeclined
+        error = OutcomeUnknown if self.after_write else ProcessorDeclined
         raise error(f"stripe {self.what} {self.obj.get('id') or ''} {problem}".replace("  ", " "),
                     code="malformed_response")
 
@@ -299,7 +312,7 @@ class StripeProcessor:
     def void(self, payment: PaymentRef, *, idempotency_key: str, verdict_id: str) -> VoidResult:
         # Stripe's cancel takes no metadata, so the verdict travels only in our own records.
         intent_id = self._intent_id(payment, "void")
-        with _edge("void"):
+        with _edge("void", write=True):
             answer = self.client.v1.payment_intents.cancel(
                 intent_id, options={"idempotency_key": idempotency_key})
         intent = _Fields(answer, "payment intent", after_write=True)
@@ -312,7 +325,7 @@ class StripeProcessor:
     def capture(self, payment: PaymentRef, amount: Money, *, idempotency_key: str,
                 verdict_id: str) -> CaptureResult:
         intent_id = self._intent_id(payment, "capture")
-        with _edge("capture"):
+        with _edge("capture", write=True):
             answer = self.client.v1.payment_intents.capture(
                 intent_id,
                 params={"amount_to_capture": amount.amount_minor,
@@ -328,6 +341,19 @@ class StripeProcessor:
         return CaptureResult(reference=intent.text("id"),
                              amount=_money(received, intent.text("currency", amount.currency)),
                              status="captured" if status == "succeeded" else "pending")
+
+    def fetch_payment_state(self, payment: PaymentRef) -> PaymentState:
+        """The payment intent as Stripe has it now: canceled, captured (or capturing), or still
+        waiting for capture. Only a payment intent can be voided or captured here."""
+        intent_id = self._intent_id(payment, "fetch payment state")
+        with _edge("fetch payment intent"):
+            intent = _Fields(self.client.v1.payment_intents.retrieve(intent_id), "payment intent")
+        status = intent.text("status")
+        states = {"canceled": "voided", "succeeded": "captured", "processing": "capture_pending"}
+        received = intent.optional_integer("amount_received")
+        return PaymentState(reference=intent.text("id"), status=states.get(status, "authorized"),  # type: ignore[arg-type]
+                            captured=_money(received, intent.text("currency")) if status == "succeeded"
+                            and received is not None else None)
 
     def verify_webhook(self, payload: bytes, headers: Mapping[str, str]) -> WebhookEvent:
         if not self.webhook_secret:

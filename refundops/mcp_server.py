@@ -215,6 +215,13 @@ REFUSALS = (
     "DAILY_LIMIT_REACHED (a running total is used up; a person must decide), CIRCUIT_OPEN (refunds are paused; "
     "try later), IDEMPOTENCY_KEY_REQUIRED, IDEMPOTENCY_KEY_REUSED. Do not retry a refusal with other values "
     "to get around a limit; tell the customer a person will follow up.")
+# What void and capture answer, as refundops.services.payments records it.
+OPERATION_OUTCOMES = (
+    " Done: operation.status 'succeeded'. GATEWAY_UNAVAILABLE means the gateway was not reached (or was looked "
+    "up and shows nothing was done): nothing changed; try again later with a NEW idempotency_key. "
+    "operation.status 'unknown' (not an error) means the gateway may have acted but its answer was lost: call "
+    "again later with the SAME idempotency_key and arguments, which looks the payment up at the gateway and "
+    "answers succeeded or failed; do not use a new key, and no other void or capture is taken meanwhile.")
 COMMON = (" CAPABILITY_NOT_GRANTED: your key may not use this tool. UNAUTHENTICATED: your key is unknown, "
           "expired or revoked.")
 
@@ -263,8 +270,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "void_authorization", "Void an uncaptured authorisation",
         "Releases money authorised but not yet captured, so the customer is never charged. Not a refund: for "
         "captured money use create_refund. Refusals: PAYMENT_NOT_FOUND, PAYMENT_NOT_VOIDABLE (already captured "
-        "or voided), VALIDATION_ERROR, IDEMPOTENCY_KEY_REUSED, GATEWAY_DECLINED, GATEWAY_UNAVAILABLE (retry "
-        "later with the same idempotency_key).",
+        "or voided, or another void or capture is in progress or unknown), VALIDATION_ERROR, IDEMPOTENCY_KEY_REUSED, "
+        "GATEWAY_DECLINED, GATEWAY_UNAVAILABLE." + OPERATION_OUTCOMES,
         _object({"transaction_id": TRANSACTION_ID, "note": NOTE, "agent": AGENT,
                  "idempotency_key": IDEMPOTENCY_KEY}, ["transaction_id", "idempotency_key"]),
         read_only=False, destructive=True),
@@ -274,7 +281,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Captures up to the confirmed order amount of an authorised payment. Refusals: PAYMENT_NOT_FOUND, "
         "PAYMENT_NOT_CAPTURABLE (not authorised, already captured or voided), AMOUNT_EXCEEDS_ORDER (more than "
         "the confirmed order: a person decides), VALIDATION_ERROR, IDEMPOTENCY_KEY_REUSED, GATEWAY_DECLINED, "
-        "GATEWAY_UNAVAILABLE (retry later with the same idempotency_key).",
+        "GATEWAY_UNAVAILABLE." + OPERATION_OUTCOMES,
         _object({"transaction_id": TRANSACTION_ID, "amount": AMOUNT, "note": NOTE, "agent": AGENT,
                  "idempotency_key": IDEMPOTENCY_KEY}, ["transaction_id", "amount", "idempotency_key"]),
         read_only=False),

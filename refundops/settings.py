@@ -144,6 +144,8 @@ CELERY_BEAT_SCHEDULE = {
                                "schedule": timedelta(seconds=env.int("SYNC_INTERVAL_SECONDS", default=30))},
     "resubmit-stalled-approved-refunds": {"task": "refundops.tasks.resubmit_stalled_refunds",
                                           "schedule": timedelta(minutes=1)},
+    "resolve-stalled-operations": {"task": "refundops.tasks.resolve_stalled_operations",
+                                   "schedule": timedelta(minutes=1)},
     "expire-held-refunds": {"task": "approvals.tasks.expire_held_refunds",
                             "schedule": timedelta(minutes=15)},
     "expire-payment-links": {"task": "refundops.tasks.expire_payment_links",

@@ -154,6 +154,14 @@ def count_agent_refund(self, *, amount_minor: int, currency: str, at: str) -> No
 
 
 @shared_task
+def resolve_stalled_operations() -> int:
+    """Voids and captures whose answer is unknown, or pending past their lease: looked up at the gateway."""
+    from refundops.services.payments import resolve_stalled_operations as resolve
+
+    return resolve()
+
+
+@shared_task
 def expire_payment_links() -> int:
     """Deactivate unpaid payment links past ``PAYMENT_LINK_EXPIRY_HOURS`` at their gateway."""
     return link_expiry.expire_payment_links()

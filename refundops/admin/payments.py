@@ -244,9 +244,11 @@ class PaymentAdmin(ReadOnlyHistoryAdmin):
                                      idempotency_key=form.cleaned_data["idempotency_key"])
             if answer.ok:
                 operation = answer.body["operation"]
-                messages.success(request, f"Capture {operation['id']} of "
-                                          f"{format_minor(operation['amount'], operation['currency'])}: "
-                                          f"{operation['status']}.")
+                said = messages.warning if operation["status"] == "unknown" else messages.success
+                said(request, f"Capture {operation['id']} of "
+                              f"{format_minor(operation['amount'], operation['currency'])}: {operation['status']}"
+                              + (" (the gateway's answer was lost; it is looked up at the gateway every minute, "
+                                 "do not capture again)." if operation["status"] == "unknown" else "."))
                 return HttpResponseRedirect(reverse("admin:refundops_payment_change", args=[quote(payment.pk)]))
             error = answer.body["error"]
             messages.error(request, f"{error['code']}: {error['message']}")

@@ -202,7 +202,9 @@ class CaptureIn(VoidIn):
 class OperationOut(serializers.Serializer):
     id = serializers.CharField(help_text="op_…")
     kind = serializers.ChoiceField(choices=["void", "capture"])
-    status = serializers.ChoiceField(choices=["pending", "succeeded", "failed"])
+    status = serializers.ChoiceField(choices=["pending", "succeeded", "failed", "unknown"],
+                                     help_text="unknown: sent, the answer lost; looked up at the gateway on a retry "
+                                               "with the same Idempotency-Key and by a periodic job")
     amount = serializers.IntegerField(allow_null=True)
     currency = serializers.CharField()
     gateway_reference = serializers.CharField(allow_null=True)

@@ -21,8 +21,13 @@ from refundops.ratelimit import AgentRateThrottle
 from refundops.services import disputes, payments, refunds
 
 GATEWAY = ("GATEWAY_DECLINED", "GATEWAY_UNAVAILABLE")
-IN_FLIGHT = OpenApiResponse(description="A replay (deduplicated: true) of a request whose gateway call is "
-                                        "still in flight; the same body as the final answer, status pending")
+IN_FLIGHT = OpenApiResponse(
+    schema.OperationDone,
+    description="Not final. operation.status 'pending': a replay (deduplicated: true) of a request whose "
+                "gateway call is still in flight. operation.status 'unknown': the gateway may have acted but "
+                "its answer was lost (a timeout after sending) and it could not be asked yet; the payment takes "
+                "no other void or capture meanwhile. Send the same request with the same Idempotency-Key to "
+                "learn the outcome (it is looked up at the gateway first); never a new key.")
 
 
 def render(answer: Answer) -> Response:

@@ -149,6 +149,9 @@ class PaymentOperation(models.Model):
         PENDING = "pending", "Sent to the gateway"
         SUCCEEDED = "succeeded", "Done"
         FAILED = "failed", "Refused or not reached"
+        # Sent, and the answer lost (a timeout after the gateway may have acted, a worker gone past
+        # its lease): resolved only by looking the payment up at the gateway.
+        UNKNOWN = "unknown", "Sent; answer unknown"
 
     id = models.CharField(primary_key=True, max_length=40, default=new_payment_operation_id, editable=False)
     payment = models.ForeignKey(Payment, on_delete=models.PROTECT, related_name="operations")
@@ -162,13 +165,19 @@ class PaymentOperation(models.Model):
     failure_code = models.CharField(max_length=60, blank=True)
     failure_message = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # The call is the decider's until then (longer than the gateway client's timeout); a pending
+    # operation past it was left by a process that died mid-call, and is resolved by look-up.
+    lease_until = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     history = HistoricalRecords()
 
+    LIVE_STATUSES = ("pending", "succeeded", "unknown")  # the gateway did, is doing, or may have done it
+
     class Meta:
         constraints = [
-            # A void and a capture exclude each other, and neither happens twice.
-            models.UniqueConstraint(fields=["payment"], condition=Q(status__in=["pending", "succeeded"]),
+            # A void and a capture exclude each other, and neither happens twice; one whose answer
+            # is unknown may have happened, so it excludes the next until it is resolved.
+            models.UniqueConstraint(fields=["payment"], condition=Q(status__in=["pending", "succeeded", "unknown"]),
                                     name="payment_one_live_operation"),
             models.CheckConstraint(condition=Q(amount_minor__isnull=True) | Q(amount_minor__gt=0),
                                    name="payment_operation_amount_positive"),

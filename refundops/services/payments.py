@@ -12,6 +12,7 @@ from __future__ import annotations
 import string
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from django.conf import settings
@@ -22,7 +23,15 @@ from django.utils.module_loading import import_string
 
 from audit.models import Verdict
 from audit.services import record_audit
-from processors.base import ProcessorDeclined, ProcessorError, ProcessorUnavailable
+from processors.base import (
+    CaptureResult,
+    OutcomeUnknown,
+    PaymentState,
+    ProcessorDeclined,
+    ProcessorError,
+    ProcessorUnavailable,
+    VoidResult,
+)
 from processors.money import Money, format_minor
 from processors.registry import ADAPTERS, UnknownProcessor, get_processor
 from refundops import idempotency
@@ -33,10 +42,10 @@ from refundops.inputs import (
     AgentContext,
     ValidationFailed,
     agent_context,
+    amount,
     could_be_id,
     for_the_record,
     has_nul,
-    amount,
     reject_unknown,
     require_object,
     text,
@@ -83,9 +92,12 @@ def passed(name: str, **inputs: Any) -> dict[str, Any]:
 
 def guarded_operation(*, caller: Caller, operation: str, data: Any, idempotency_key: str,
                       path: Mapping[str, str], parse: Callable[[Any], T],
-                      decide: Callable[[T, dict[str, Any]], tuple[Answer, FollowUp | None]]) -> Answer:
+                      decide: Callable[[T, dict[str, Any]], tuple[Answer, FollowUp | None]],
+                      settle_replay: Callable[[Answer], Answer | None] | None = None) -> Answer:
     """Body, then idempotency (a replay answers here), then ``decide`` under the caller's locks,
-    all in one transaction with the key's claim; then the follow-up, if any, outside it."""
+    all in one transaction with the key's claim; then the follow-up, if any, outside it.
+    ``settle_replay``: for a first answer that was not final (an outcome unknown), the answer now,
+    once settled; it replaces the stored one, so the retry learns what happened."""
     if has_nul(data) or has_nul(dict(path)) or has_nul(idempotency_key):
         message = "body: text must not contain NUL (\\u0000) characters"
         base = verdict_base(caller=caller, operation=operation, data={}, idempotency_key="", path={})
@@ -104,6 +116,11 @@ def guarded_operation(*, caller: Caller, operation: str, data: Any, idempotency_
     scope, digest = caller.idempotency_scope, idempotency.request_hash(operation, [dict(path), data])
     replay = idempotency.find(scope, idempotency_key, digest)
     if replay is not None:
+        if settle_replay is not None and not replay.reused and replay.record.response_status:
+            settled = settle_replay(Answer(replay.record.response_status, replay.record.response_body))
+            if settled is not None:
+                idempotency.store(scope, idempotency_key, settled.status, settled.body)
+                replay = idempotency.find(scope, idempotency_key, digest)
         return _replay(base, replay)
     with transaction.atomic():
         replay = idempotency.claim(scope, idempotency_key, operation, digest)
@@ -132,8 +149,8 @@ def gateway_failure(exc: ProcessorError | UnknownProcessor) -> tuple[str, str, s
     """(contract code, message, gateway code) for a gateway that said no or did not answer."""
     if isinstance(exc, ProcessorDeclined):
         return "GATEWAY_DECLINED", f"The payment gateway declined: {exc.message}", exc.code
-    if isinstance(exc, ProcessorUnavailable):
-        return ("GATEWAY_UNAVAILABLE", "The payment gateway did not answer; nothing changed. Try again "
+    if isinstance(exc, ProcessorUnavailable):  # never an OutcomeUnknown: that is looked up, not answered so
+        return ("GATEWAY_UNAVAILABLE", "The payment gateway could not be reached; nothing changed. Try again "
                                        "later with a new Idempotency-Key.", exc.code)
     return "GATEWAY_UNAVAILABLE", f"No gateway is configured for this payment: {exc}", "not_configured"
 
@@ -170,7 +187,8 @@ def void_authorization(*, caller: Caller, txn_id: str, data: Any, idempotency_ke
         caller=caller, operation=VOID, data=data, idempotency_key=idempotency_key, path={"txn_id": txn_id},
         parse=lambda d: _parse_operation(d, with_amount=False),
         decide=lambda ask, base: _decide_operation(caller=caller, txn_id=txn_id, ask=ask, base=base,
-                                                   kind=PaymentOperation.Kind.VOID))
+                                                   kind=PaymentOperation.Kind.VOID),
+        settle_replay=lambda first: _settle_replayed_operation(first, caller=caller))
 
 
 def capture_payment(*, caller: Caller, txn_id: str, data: Any, idempotency_key: str) -> Answer:
@@ -179,7 +197,8 @@ def capture_payment(*, caller: Caller, txn_id: str, data: Any, idempotency_key: 
         caller=caller, operation=CAPTURE, data=data, idempotency_key=idempotency_key, path={"txn_id": txn_id},
         parse=lambda d: _parse_operation(d, with_amount=True),
         decide=lambda ask, base: _decide_operation(caller=caller, txn_id=txn_id, ask=ask, base=base,
-                                                   kind=PaymentOperation.Kind.CAPTURE))
+                                                   kind=PaymentOperation.Kind.CAPTURE),
+        settle_replay=lambda first: _settle_replayed_operation(first, caller=caller))
 
 
 class Refused(Exception):
@@ -235,14 +254,13 @@ def _decide_operation(*, caller: Caller, txn_id: str, ask: OperationInput, base:
         return refuse(base, "PAYMENT_NOT_FOUND", f"No payment {txn_id!r}; payment ids start with 'txn_'.",
                       payment_id=txn_id), None
     base = {**base, "payment_id": payment.pk, "currency": payment.currency}
-    live = PaymentOperation.objects.filter(payment=payment, status__in=(
-        PaymentOperation.Status.PENDING, PaymentOperation.Status.SUCCEEDED)).first()
+    live = PaymentOperation.objects.filter(payment=payment, status__in=PaymentOperation.LIVE_STATUSES).first()
     state = {"status": payment.status, "captured": payment.amount_captured_minor,
              "authorized": payment.amount_authorized_minor}
     why_not = ("it was voided" if payment.status == Payment.Status.VOIDED else
                "it is already captured" if payment.status == Payment.Status.CAPTURED
                or payment.amount_captured_minor else
-               f"a {live.kind} ({live.pk}) is already {live.status}" if live else "")
+               f"a {live.kind} ({live.pk}) {LIVE_WORDS[live.status]}" if live else "")
     check = _check_void if kind == PaymentOperation.Kind.VOID else _check_capture
     try:
         checks = check(payment, ask, why_not=why_not, state=state)
@@ -251,8 +269,9 @@ def _decide_operation(*, caller: Caller, txn_id: str, ask: OperationInput, base:
     amount_minor = ask.amount_minor  # None for a void: it releases the whole authorisation
     verdict = approve(base, checks=checks, amount_minor=amount_minor if amount_minor is not None
                       else payment.amount_authorized_minor)
-    operation = PaymentOperation.objects.create(payment=payment, kind=kind, amount_minor=amount_minor,
-                                                currency=payment.currency, agent=caller.agent, verdict=verdict)
+    operation = PaymentOperation.objects.create(
+        payment=payment, kind=kind, amount_minor=amount_minor, currency=payment.currency, agent=caller.agent,
+        verdict=verdict, lease_until=timezone.now() + timedelta(seconds=settings.GATEWAY_ATTEMPT_LEASE_SECONDS))
     record_audit(actor=caller.label, action=f"payment.{kind}_decided", subject_type="payment",
                  subject_id=payment.pk, data={"verdict_id": verdict.id, "operation_id": operation.pk,
                                               "amount_minor": amount_minor, "note": ask.note})
@@ -269,6 +288,12 @@ def _operation_body(payment: Payment, operation: PaymentOperation, verdict: Verd
             "verdict": verdict_json(verdict), "deduplicated": False}
 
 
+# Why the payment takes no other void or capture, for each status that blocks it.
+LIVE_WORDS = {"pending": "is in progress", "succeeded": "is already done",
+              "unknown": "was sent and its outcome is not known yet: retry that request with its own "
+                         "Idempotency-Key to learn it"}
+
+
 def operation_json(operation: PaymentOperation) -> dict[str, Any]:
     return {"id": operation.pk, "kind": operation.kind, "status": operation.status,
             "amount": operation.amount_minor, "currency": operation.currency,
@@ -276,59 +301,160 @@ def operation_json(operation: PaymentOperation) -> dict[str, Any]:
             "finished_at": operation.finished_at.isoformat() if operation.finished_at else None}
 
 
+def gateway_key(operation: PaymentOperation) -> str:
+    """Derived from the operation, so every call for it is the same request at the gateway."""
+    return f"refundops:{operation.pk}"
+
+
 def _call_gateway(*, caller: Caller, operation_id: str, store: Callable[[Answer], None]) -> Answer:
     operation = PaymentOperation.objects.select_related("payment", "verdict").get(pk=operation_id)
     payment = operation.payment
-    # Derived from the operation, so a retry of this very call is the same request at the gateway.
-    gateway_key = f"refundops:{operation.pk}"
-    result: Any = None
-    failure: ProcessorError | UnknownProcessor | None = None
     try:
         processor = get_processor(payment.processor, payment.processor_account)
         if operation.kind == PaymentOperation.Kind.VOID:
-            result = processor.void(payment_ref(payment), idempotency_key=gateway_key,
-                                    verdict_id=operation.verdict_id)
+            result: VoidResult | CaptureResult = processor.void(
+                payment_ref(payment), idempotency_key=gateway_key(operation), verdict_id=operation.verdict_id)
         else:
             result = processor.capture(payment_ref(payment), Money(operation.amount_minor, operation.currency),
-                                       idempotency_key=gateway_key, verdict_id=operation.verdict_id)
+                                       idempotency_key=gateway_key(operation), verdict_id=operation.verdict_id)
+    except OutcomeUnknown as lost:
+        # The gateway may have acted: only its books can say. Ask before answering anything.
+        answer = resolve_operation(operation_id=operation_id, actor=caller.label, lost=lost)
+        store(answer)
+        return answer
     except (ProcessorError, UnknownProcessor) as exc:
-        failure = exc
+        answer = _record_outcome(operation_id, actor=caller.label, failure=exc)
+    else:
+        answer = _record_outcome(operation_id, actor=caller.label, result=result)
+    store(answer)
+    return answer
+
+
+def _record_outcome(operation_id: str, *, actor: str, result: VoidResult | CaptureResult | None = None,
+                    failure: ProcessorError | UnknownProcessor | None = None, unknown: str = "",
+                    found: PaymentState | None = None, only_from: tuple[str, ...] = ("pending",)) -> Answer:
+    """Record what became of one operation, in one short transaction under the payment's lock:
+    the gateway's answer (``result``/``failure``), what a look-up found (``found``), or that the
+    answer is still unknown (``unknown``, why). Changes only an operation in ``only_from``; the
+    answer for the operation as it then stands."""
     with transaction.atomic():
-        payment = lock_payment(payment.pk)
-        operation = PaymentOperation.objects.select_for_update().get(pk=operation_id)
+        payment = lock_payment(PaymentOperation.objects.values_list("payment_id", flat=True).get(pk=operation_id))
+        operation = PaymentOperation.objects.select_for_update().select_related("verdict").get(pk=operation_id)
+        if operation.status not in only_from or (unknown and operation.status == PaymentOperation.Status.UNKNOWN):
+            return operation_answer(operation, payment=payment)  # settled meanwhile, or still unknown
         now = timezone.now()
-        operation.finished_at = now
-        if failure is None:
-            operation.status = PaymentOperation.Status.SUCCEEDED
-            operation.gateway_reference = result.reference
+        if found is not None:
+            done = (found.status == "voided") if operation.kind == PaymentOperation.Kind.VOID \
+                else found.status in ("captured", "capture_pending")
+            gateway_response: dict[str, Any] = {"looked_up": asdict(found) | {
+                "captured": asdict(found.captured) if found.captured else None}}
+            if done:
+                reference = found.capture_reference or found.reference
+                amount = found.captured or Money(operation.amount_minor or 0, operation.currency)
+                result = (VoidResult(reference=reference, status="voided") if operation.kind == PaymentOperation.Kind.VOID
+                          else CaptureResult(reference=reference, amount=amount,
+                                             status="captured" if found.status == "captured" else "pending"))
+            else:
+                failure = ProcessorUnavailable(
+                    f"Looked up at the gateway: the payment is {found.status}; the {operation.kind} was not made.",
+                    code="not_made")
+        if unknown:
+            operation.status = PaymentOperation.Status.UNKNOWN
+            operation.failure_code, operation.failure_message = "outcome_unknown", unknown
+            gateway_response = {"unknown": unknown}
+        elif failure is None:
+            assert result is not None
+            operation.status, operation.finished_at = PaymentOperation.Status.SUCCEEDED, now
+            operation.gateway_reference, operation.failure_code, operation.failure_message = result.reference, "", ""
             if operation.kind == PaymentOperation.Kind.VOID:
                 payment.status = Payment.Status.VOIDED
                 fields = ["status"]
             else:
                 payment.status = Payment.Status.CAPTURED
-                payment.amount_captured_minor, payment.captured_at = operation.amount_minor, now
+                payment.amount_captured_minor = result.amount.amount_minor if found else operation.amount_minor
+                payment.captured_at = now
                 fields = ["status", "amount_captured_minor", "captured_at"]
             payment._change_reason = f"{operation.kind} {operation.pk} (verdict {operation.verdict_id})"
             payment.save(update_fields=fields)
-            gateway_response = asdict(result)
+            if found is None:
+                gateway_response = asdict(result)
         else:
-            code, message, gateway_code = gateway_failure(failure)
-            operation.status = PaymentOperation.Status.FAILED
+            _, _, gateway_code = gateway_failure(failure)
+            operation.status, operation.finished_at = PaymentOperation.Status.FAILED, now
             operation.failure_code, operation.failure_message = gateway_code, str(failure)
-            gateway_response = {"error": gateway_code, "message": str(failure)}
+            if found is None:
+                gateway_response = {"error": gateway_code, "message": str(failure)}
         operation.save()
         Verdict.objects.filter(pk=operation.verdict_id).update(gateway_response=gateway_response)
-        record_audit(actor=caller.label, action=f"payment.{operation.kind}_{operation.status}",
+        record_audit(actor=actor, action=f"payment.{operation.kind}_{operation.status}",
                      subject_type="payment", subject_id=payment.pk,
                      data={"verdict_id": operation.verdict_id, "operation_id": operation.pk,
-                           "gateway": gateway_response})
-        if failure is None:
-            answer = Answer(200, _operation_body(payment, operation, operation.verdict))
-        else:
-            answer = error_answer(code, message, verdict_id=operation.verdict_id, operation_id=operation.pk,
-                                  gateway_code=gateway_code)
-        store(answer)
-    return answer
+                           "resolved_by_lookup": found is not None, "gateway": gateway_response})
+        return operation_answer(operation, payment=payment, failure=failure if found is None else None)
+
+
+def operation_answer(operation: PaymentOperation, *, payment: Payment,
+                     failure: ProcessorError | UnknownProcessor | None = None) -> Answer:
+    """What a void or capture answers as it stands: 200 done, 202 pending or unknown (the gateway
+    may have acted; the same Idempotency-Key again learns the outcome), or the contract's error."""
+    if operation.status == PaymentOperation.Status.SUCCEEDED:
+        return Answer(200, _operation_body(payment, operation, operation.verdict))
+    if operation.status in (PaymentOperation.Status.PENDING, PaymentOperation.Status.UNKNOWN):
+        return Answer(202, _operation_body(payment, operation, operation.verdict))
+    if operation.failure_code == "not_made":
+        code, message = "GATEWAY_UNAVAILABLE", (
+            f"The gateway did not answer, and looking the payment up there shows the {operation.kind} was not "
+            f"made; nothing changed. Try again with a new Idempotency-Key.")
+    else:  # the gateway's own answer (the call's exception when at hand)
+        code, message, _ = gateway_failure(failure or ProcessorDeclined(operation.failure_message))
+    return error_answer(code, message, verdict_id=operation.verdict_id, operation_id=operation.pk,
+                        gateway_code=operation.failure_code)
+
+
+def resolve_operation(*, operation_id: str, actor: str, lost: ProcessorError | None = None) -> Answer:
+    """A void or capture whose answer is unknown, or pending past its lease (its process died
+    mid-call): ask the gateway where the payment stands and record what it shows. The gateway is
+    asked outside any lock. If it cannot be asked, the operation stays (or becomes) ``unknown``."""
+    operation = PaymentOperation.objects.select_related("payment").get(pk=operation_id)
+    resolvable = (PaymentOperation.Status.PENDING, PaymentOperation.Status.UNKNOWN)
+    if operation.status not in resolvable:
+        return operation_answer(operation, payment=operation.payment)
+    if operation.status == PaymentOperation.Status.PENDING and lost is None and \
+            operation.lease_until is not None and operation.lease_until > timezone.now():
+        return operation_answer(operation, payment=operation.payment)  # its caller is still at it
+    try:
+        processor = get_processor(operation.payment.processor, operation.payment.processor_account)
+        found = processor.fetch_payment_state(payment_ref(operation.payment))
+    except (ProcessorError, UnknownProcessor) as exc:
+        why = (f"{lost.message if lost else 'The process calling the gateway stopped before its answer'}; "
+               f"the gateway could not be asked where the payment stands ({exc}). The same request with the "
+               f"same Idempotency-Key asks again.")
+        return _record_outcome(operation_id, actor=actor, unknown=why, only_from=resolvable)
+    return _record_outcome(operation_id, actor=actor, found=found, only_from=resolvable)
+
+
+def _settle_replayed_operation(first: Answer, *, caller: Caller) -> Answer | None:
+    """A retry of a void or capture whose first answer was not final: settle it (looking the
+    payment up when its outcome is unknown) and answer as it stands now."""
+    body = first.body or {}
+    operation_id = (body.get("operation") or {}).get("id") or (body.get("error") or {}).get("operation_id")
+    if first.status != 202 or not operation_id:
+        return None
+    answer = resolve_operation(operation_id=operation_id, actor=caller.label)
+    return answer if (answer.status, answer.body) != (first.status, first.body) else None
+
+
+def resolve_stalled_operations(*, limit: int = 100) -> int:
+    """The beat's sweep: every void or capture whose answer is unknown, or pending past its lease,
+    is looked up at its gateway. How many were settled (succeeded or failed)."""
+    now = timezone.now()
+    stalled = (PaymentOperation.objects.filter(status=PaymentOperation.Status.UNKNOWN)
+               | PaymentOperation.objects.filter(status=PaymentOperation.Status.PENDING, lease_until__lte=now))
+    settled = 0
+    for operation_id in stalled.order_by("created_at").values_list("pk", flat=True)[:limit]:
+        answer = resolve_operation(operation_id=operation_id, actor="system:resolver")
+        settled += answer.status != 202
+    return settled
 
 
 # -- payment links -----------------------------------------------------------------------------------

@@ -205,7 +205,8 @@ def _compare(payment: Payment, book: PaymentBook | None, *, read_at: datetime) -
                detail=f"{payment.processor} has no payment {payment.processor_reference}.")
         check.outcome = "disagree"
         return check
-    capture_in_flight = payment.operations.filter(status=PaymentOperation.Status.PENDING).exists()
+    capture_in_flight = payment.operations.filter(  # resolved by look-up (resolve_stalled_operations)
+        status__in=(PaymentOperation.Status.PENDING, PaymentOperation.Status.UNKNOWN)).exists()
     if not capture_in_flight and (book.captured.amount_minor, book.captured.currency) != (
             payment.amount_captured_minor, payment.currency):
         raise_(Kind.CAPTURE_MISMATCH, book.reference, ours=ours_captured,

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
-Mode = Literal["up", "down", "unreachable", "rate_limited", "slow", "slow_after"]
+Mode = Literal["up", "down", "unreachable", "rate_limited", "slow", "slow_after", "drop_after"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ class FakeGateway:
         self.mode: Mode = "up"
         self.retry_after = 1
         self.slow_seconds = 2.0
+        self._mode_requests_left: int | None = None  # the mode lasts this many requests, then "up"
+        self._mode_path = ""  # the mode touches only requests whose path ends so ("" every request)
         self.received: list[Request] = []  # every request, for assertions on the wire format
         self._in_flight: set[str] = set()  # idempotency keys whose first request is still answering
         self._stopping = threading.Event()
@@ -88,13 +90,17 @@ class FakeGateway:
 
     # -- control ---------------------------------------------------------------------------------
     def set_mode(self, mode: Mode, *, retry_after: int | None = None,
-                 slow_seconds: float | None = None) -> None:
+                 slow_seconds: float | None = None, requests: int | None = None, path: str = "") -> None:
         """``down``: 503; ``unreachable``: the connection closes unanswered; ``rate_limited``: 429
         with ``Retry-After``; ``slow``: answers only after ``slow_seconds``; ``slow_after``: acts at
         once and answers only after ``slow_seconds`` (a client that times out never hears that the
-        gateway acted). Meanwhile a request with the same idempotency key is told it is in use."""
+        gateway acted). Meanwhile a request with the same idempotency key is told it is in use.
+        ``drop_after``: acts, then closes the connection without answering. ``requests``: the mode
+        holds for that many requests, then the gateway is up again. ``path``: the mode touches only
+        requests whose path ends so (the others are answered normally)."""
         with self.lock:
             self.mode = mode
+            self._mode_requests_left, self._mode_path = requests, path
             if retry_after is not None:
                 self.retry_after = retry_after
             if slow_seconds is not None:
@@ -129,7 +135,11 @@ class FakeGateway:
                           body=handler.rfile.read(length) if length else b"")
         with self.lock:
             self.received.append(request)
-            mode = self.mode
+            mode = self.mode if request.path.endswith(self._mode_path) else "up"
+            if self._mode_requests_left is not None and mode != "up":
+                self._mode_requests_left -= 1
+                if self._mode_requests_left <= 0:
+                    self.mode, self._mode_requests_left, self._mode_path = "up", None, ""
         if mode == "unreachable":
             handler.close_connection = True
             return
@@ -153,6 +163,9 @@ class FakeGateway:
                 self._stopping.wait(self.slow_seconds)
                 with self.lock:
                     self._in_flight.discard(key)
+            if mode == "drop_after":  # it acted; the answer never leaves
+                handler.close_connection = True
+                return
         try:
             handler.send_response(response.status)
             for name, value in response.headers.items():

@@ -133,6 +133,7 @@ class FakePayPal(FakeGateway):
             ("GET", re.compile(r"/v2/payments/refunds/(?P<id>[^/]+)"), self._get_refund),
             ("GET", re.compile(r"/v2/payments/captures/(?P<id>[^/]+)"), self._get_capture),
             ("GET", re.compile(r"/v2/checkout/orders/(?P<id>[^/]+)"), self._get_order),
+            ("GET", re.compile(r"/v2/payments/authorizations/(?P<id>[^/]+)"), self._get_authorization),
             ("POST", re.compile(r"/v2/payments/authorizations/(?P<id>[^/]+)/void"), self._void),
             ("POST", re.compile(r"/v2/payments/authorizations/(?P<id>[^/]+)/capture"), self._capture),
             ("POST", re.compile(r"/v1/notifications/verify-webhook-signature"), self._verify),
@@ -552,6 +553,15 @@ class FakePayPal(FakeGateway):
         if request.header("Prefer") == "return=representation":
             return _json(200, self._representation(authorization))
         return Response(204)
+
+    def _get_authorization(self, body: dict[str, Any], request: Request, id: str) -> Response:
+        authorization = self.authorizations.get(id)
+        if authorization is None:
+            return paypal_error(404, "RESOURCE_NOT_FOUND", "INVALID_RESOURCE_ID",
+                                "Specified resource ID does not exist.", field="authorization_id",
+                                location="path")
+        return _json(200, {**self._representation(authorization),
+                           "supplementary_data": {"related_ids": {"order_id": authorization["order_id"]}}})
 
     def _capture(self, body: dict[str, Any], request: Request, id: str) -> Response:
         authorization = self.authorizations.get(id)
