@@ -13,6 +13,7 @@ from audit.services import record_audit
 from processors.money import format_minor
 from refundops.callers import Caller
 from refundops.errors import ApiError
+from refundops import outbound
 from refundops.locks import lock_payment, lock_refund
 from refundops.models import Refund, RefundState
 from refundops.services.refunds import decide_resubmission, sync_payment_amounts
@@ -57,6 +58,7 @@ def approve_refund(*, refund_id: str, approver, note: str = "") -> Refund:
     refund.approve()
     refund._change_reason = f"approved by {approver.get_username()}" + (f": {note}" if note else "")
     refund.save()
+    outbound.announce_refund(refund, previous=RefundState.HELD)
     record_audit(actor=Caller.for_user(approver).label, action="refund.approved", subject_type="refund",
                  subject_id=refund.pk, data={"note": note, "hold_reasons": refund.hold_reasons,
                                              "amount_minor": refund.amount_minor, "currency": refund.currency},
@@ -73,6 +75,7 @@ def reject_refund(*, refund_id: str, approver, note: str = "") -> Refund:
     refund.reject(message=note)
     refund._change_reason = f"rejected by {approver.get_username()}" + (f": {note}" if note else "")
     refund.save()
+    outbound.announce_refund(refund, previous=RefundState.HELD)
     sync_payment_amounts(refund.payment)
     record_audit(actor=Caller.for_user(approver).label, action="refund.rejected", subject_type="refund",
                  subject_id=refund.pk, data={"note": note}, records=[refund.history.latest()])
@@ -105,6 +108,7 @@ def resubmit_refund(*, refund_id: str, approver, note: str = "") -> Refund:
             refund._change_reason = (f"resubmitted by {approver.get_username()}" + (f": {note}" if note else "")
                                      + f" (verdict {verdict.pk}: {decision.outcome})")
             refund.save()
+            outbound.announce_refund(refund, previous=RefundState.FAILED)
             sync_payment_amounts(refund.payment)
             record_audit(actor=caller.label, action="refund.resubmitted", subject_type="refund",
                          subject_id=refund.pk, data={"note": note, "attempt": refund.submit_attempts,
@@ -132,6 +136,7 @@ def expire_held_refunds(*, now=None) -> int:
             refund.expire()
             refund._change_reason = f"no decision within {settings.HELD_REFUND_EXPIRY_HOURS}h"
             refund.save()
+            outbound.announce_refund(refund, previous=RefundState.HELD)
             sync_payment_amounts(refund.payment)
             record_audit(actor="system:expiry", action="refund.expired", subject_type="refund", subject_id=refund.pk,
                          records=[refund.history.latest()])

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import date
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from processors.money import format_minor
 from refundops.errors import ERROR_STATUS
+
+if TYPE_CHECKING:
+    from refundops.models import Refund
 
 
 @dataclass(frozen=True)
@@ -53,3 +56,11 @@ def suggested_message(*, status: str, amount_minor: int, currency: str, method: 
     if status in ("rejected", "expired", "denied", "canceled"):
         return f"We weren't able to issue a refund of {money} on this payment."
     return f"Your refund of {money} is being processed."
+
+
+def refund_json(refund: Refund) -> dict[str, Any]:
+    """A refund as the API shows it (and merchant webhooks carry it)."""
+    return {"id": refund.pk, "status": refund.status, "amount": refund.amount_minor,
+            "currency": refund.currency, "transaction_id": refund.payment_id, "reason": refund.reason,
+            "estimated_arrival": refund.estimated_arrival.isoformat() if refund.estimated_arrival else None,
+            "hold_reasons": refund.hold_reasons, "created_at": refund.created_at.isoformat()}

@@ -1,12 +1,15 @@
 """Merchant webhooks out: a signed POST to each active endpoint on every refund state change.
 
-The deliveries are written in the same transaction as the change (an outbox), and handed to the
-worker only when it commits, so a rolled-back change is never announced and a committed one
-always is. Each delivery is attempted by ``refundops.tasks.deliver_webhook`` with exponential
-backoff and jitter, logged attempt by attempt, and can be sent again by hand (:func:`redeliver`).
+The service that changes a refund calls :func:`announce_refund` in its transaction: the deliveries,
+and the outbox rows that send them, are written with the change, so a rolled-back change is never
+announced and a committed one always is, also when the broker is down at commit. Each delivery
+is attempted by ``refundops.tasks.deliver_webhook`` with exponential backoff and jitter, logged
+attempt by attempt, swept up by :func:`deliver_overdue` if its task was lost, and can be sent again
+by hand (:func:`redeliver`).
 
 Settings (optional): ``WEBHOOK_MAX_ATTEMPTS`` (10), ``WEBHOOK_BACKOFF_BASE_SECONDS`` (10),
-``WEBHOOK_BACKOFF_MAX_SECONDS`` (21600), ``WEBHOOK_TIMEOUT_SECONDS`` (10: the whole call's deadline).
+``WEBHOOK_BACKOFF_MAX_SECONDS`` (21600), ``WEBHOOK_TIMEOUT_SECONDS`` (10: the whole call's deadline),
+``WEBHOOK_OVERDUE_SECONDS`` (300).
 Calls go through :mod:`refundops.merchant_http`: public addresses only, checked at connect time.
 """
 
@@ -26,58 +29,61 @@ from django.utils import timezone
 from audit.ids import new_id
 from audit.services import record_audit
 from processors import signing
-from refundops import merchant_http
+from refundops import merchant_http, outbox
+from refundops.answers import refund_json
 from refundops.models import MerchantEndpoint, Refund, WebhookDelivery
-from refundops.services.refunds import refund_json
 
 log = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "RefundOps-Signature"
+DELIVER_TASK = "refundops.tasks.deliver_webhook"
 DEFAULTS: dict[str, float] = {"WEBHOOK_MAX_ATTEMPTS": 10, "WEBHOOK_BACKOFF_BASE_SECONDS": 10,
-                              "WEBHOOK_BACKOFF_MAX_SECONDS": 6 * 3600, "WEBHOOK_TIMEOUT_SECONDS": 10}
+                              "WEBHOOK_BACKOFF_MAX_SECONDS": 6 * 3600, "WEBHOOK_TIMEOUT_SECONDS": 10,
+                              "WEBHOOK_OVERDUE_SECONDS": 300}
 
 
 def _setting(name: str) -> float:
     return float(getattr(settings, name, DEFAULTS[name]))
 
 
-def announce_refund_changes(refund: Refund, *, created: bool) -> list[WebhookDelivery]:
-    """Called on every save of a refund (``post_save``), inside the writer's transaction: one
-    event per state the refund moved into since it was last saved (its first state when new)."""
-    moves: list[tuple[str | None, str]] = refund.__dict__.pop("_state_moves", [])
-    if created:
-        moves = [(None, refund.status)]
-    deliveries: list[WebhookDelivery] = []
-    for previous, status in moves:
-        deliveries += _queue_event(refund, event_type=f"refund.{status}", status=status, previous=previous)
-    return deliveries
-
-
-def _queue_event(refund: Refund, *, event_type: str, status: str,
-                 previous: str | None) -> list[WebhookDelivery]:
+def announce_refund(refund: Refund, *, previous: str | None) -> list[WebhookDelivery]:
+    """Queue the event for the state ``refund`` was just saved in, having left ``previous`` (None:
+    a new refund). Call it in the transaction that saved the change, once per state moved into."""
+    event_type = f"refund.{refund.status}"
     endpoints = [e for e in MerchantEndpoint.objects.filter(active=True) if e.wants(event_type)]
     if not endpoints:
         return []
     now = timezone.now()
     event_id = new_id("evt")
     payload = {"id": event_id, "object": "event", "type": event_type, "created": int(now.timestamp()),
-               "data": {"object": {**refund_json(refund), "status": status, "origin": refund.origin,
+               "data": {"object": {**refund_json(refund), "origin": refund.origin,
                                    "processor_refund_id": refund.processor_refund_id or None,
                                    "failure_code": refund.failure_code or None},
                         "previous_status": previous}}
     deliveries = WebhookDelivery.objects.bulk_create(
         WebhookDelivery(endpoint=endpoint, event_id=event_id, event_type=event_type, payload=payload,
                         next_attempt_at=now) for endpoint in endpoints)
-    ids = [delivery.pk for delivery in deliveries]
-    transaction.on_commit(lambda: _enqueue(ids))
+    outbox.send_each_after_commit(DELIVER_TASK, [{"delivery_id": delivery.pk} for delivery in deliveries])
     return deliveries
 
 
-def _enqueue(delivery_ids: list[str]) -> None:
-    from refundops.tasks import deliver_webhook  # the tasks import this module
-
-    for delivery_id in delivery_ids:
-        deliver_webhook.delay(delivery_id=delivery_id)
+def deliver_overdue(*, older_than_seconds: float | None = None, limit: int = 500) -> int:
+    """Pending deliveries whose next attempt is ``WEBHOOK_OVERDUE_SECONDS`` overdue: their task was
+    lost (a broker restart, a worker killed between retries). Each is sent again through the outbox,
+    and its next attempt moved to now, so the next sweep leaves it to the task just sent."""
+    if older_than_seconds is None:
+        older_than_seconds = _setting("WEBHOOK_OVERDUE_SECONDS")
+    now = timezone.now()
+    with transaction.atomic():
+        ids = list(WebhookDelivery.objects.select_for_update(skip_locked=True)
+                   .filter(status=WebhookDelivery.Status.PENDING,
+                           next_attempt_at__lte=now - timedelta(seconds=older_than_seconds))
+                   .order_by("next_attempt_at").values_list("pk", flat=True)[:limit])
+        WebhookDelivery.objects.filter(pk__in=ids).update(next_attempt_at=now)
+        outbox.send_each_after_commit(DELIVER_TASK, [{"delivery_id": delivery_id} for delivery_id in ids])
+    if ids:
+        log.warning("webhooks: %s deliveries were overdue (their task was lost); sent again", len(ids))
+    return len(ids)
 
 
 def body_bytes(payload: dict[str, Any]) -> bytes:
@@ -140,5 +146,5 @@ def redeliver(delivery_id: str, *, actor: str = "system:operator") -> WebhookDel
     record_audit(actor=actor, action="webhook.redelivered", subject_type="webhook_delivery",
                  subject_id=delivery.pk, data={"from": before, "event_id": delivery.event_id,
                                                "endpoint_id": delivery.endpoint_id})
-    transaction.on_commit(lambda: _enqueue([delivery.pk]))
+    outbox.send_after_commit(DELIVER_TASK, {"delivery_id": delivery.pk})
     return delivery

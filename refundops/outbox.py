@@ -47,17 +47,26 @@ RETURNING id, task, kwargs, queue"""
 def send_after_commit(task: str, kwargs: dict[str, Any], *, queue: str = "") -> OutboxMessage:
     """Run ``task(**kwargs)`` once the caller's transaction commits, and never lose it: the row is
     written in that transaction, and a failed send is retried by the relay. ``kwargs`` are JSON."""
-    message = OutboxMessage.objects.create(task=task, kwargs=kwargs, queue=queue)
-    transaction.on_commit(lambda: _nudge(message.pk), robust=True)
-    return message
+    return send_each_after_commit(task, [kwargs], queue=queue)[0]
 
 
-def _nudge(message_id: int) -> None:
-    """Right after the commit: send this one row. Whatever goes wrong is the relay's to retry."""
+def send_each_after_commit(task: str, each_kwargs: list[dict[str, Any]], *, queue: str = "") -> list[OutboxMessage]:
+    """:func:`send_after_commit` for many runs of one task: one INSERT, one nudge."""
+    if not each_kwargs:
+        return []
+    messages = OutboxMessage.objects.bulk_create(
+        OutboxMessage(task=task, kwargs=kwargs, queue=queue) for kwargs in each_kwargs)
+    ids = [message.pk for message in messages]
+    transaction.on_commit(lambda: _nudge(ids), robust=True)
+    return messages
+
+
+def _nudge(message_ids: list[int]) -> None:
+    """Right after the commit: send these rows. Whatever goes wrong is the relay's to retry."""
     try:
-        send_claimed(_claim(ids=[message_id], now=timezone.now()))
+        send_claimed(_claim(ids=message_ids, now=timezone.now()))
     except Exception:  # noqa: BLE001 - the caller's change stands; the relay sends it later
-        log.exception("outbox: could not send message %s after commit; the relay will", message_id)
+        log.exception("outbox: could not send %s after commit; the relay will", message_ids)
 
 
 def relay_unsent(*, older_than_seconds: float | None = None, limit: int = 500) -> int:

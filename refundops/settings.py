@@ -140,6 +140,7 @@ OUTBOX_GRACE_SECONDS = env.int("OUTBOX_GRACE_SECONDS", default=10)
 OUTBOX_SWEEP_SECONDS = env.int("OUTBOX_SWEEP_SECONDS", default=15)
 CELERY_BEAT_SCHEDULE = {
     "relay-outbox": {"task": "refundops.tasks.relay_outbox", "schedule": timedelta(seconds=OUTBOX_SWEEP_SECONDS)},
+    "deliver-overdue-webhooks": {"task": "refundops.tasks.deliver_overdue_webhooks", "schedule": timedelta(minutes=1)},
     "sync-submitted-refunds": {"task": "refundops.tasks.sync_submitted_refunds",
                                "schedule": timedelta(seconds=env.int("SYNC_INTERVAL_SECONDS", default=30))},
     "resubmit-stalled-approved-refunds": {"task": "refundops.tasks.resubmit_stalled_refunds",

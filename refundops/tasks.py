@@ -138,6 +138,13 @@ def deliver_webhook(self, *, delivery_id: str) -> str:
 
 
 @shared_task
+def deliver_overdue_webhooks() -> int:
+    """Send again the merchant webhook deliveries whose task was lost (still pending well past
+    their next attempt, ``WEBHOOK_OVERDUE_SECONDS``)."""
+    return outbound.deliver_overdue()
+
+
+@shared_task
 def relay_outbox() -> int:
     """Send what the outbox still holds ``OUTBOX_GRACE_SECONDS`` after it was written: effects
     whose send failed at commit (the broker was down) or whose process died before sending."""

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import pytest
 import redis
+from celery.contrib.testing.worker import start_worker
 from django.conf import settings as django_settings
 from django.db import transaction
 from django.utils import timezone
@@ -23,10 +24,17 @@ from kombu.transport import redis as kombu_redis
 from processors import sandbox
 from refundops import outbox
 from refundops.celery import app as celery_app
-from refundops.models import OutboxMessage, Refund, RefundState
-from refundops.tasks import relay_outbox
+from refundops.models import (
+    MerchantEndpoint,
+    OutboxMessage,
+    Refund,
+    RefundState,
+    WebhookDelivery,
+)
+from refundops.tasks import deliver_overdue_webhooks, relay_outbox
 from tests.conftest import make_payment, post, race
 from tests.fakes.fixtures import wait_for
+from tests.test_webhooks_out import MerchantReceiver
 
 pytestmark = pytest.mark.django_db(transaction=True)  # real commits: the outbox acts on them
 
@@ -144,3 +152,57 @@ def test_the_nudge_and_two_relays_racing_send_each_row_once(settings):
     assert sorted(m["kwargs"]["refund_id"] for m in messages) == sorted(f"rf_{i}" for i in range(n))
     assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
     assert set(OutboxMessage.objects.values_list("tries", flat=True)) == {1}  # each claimed once
+
+
+# -- merchant webhooks: written with the change, sent through the outbox, swept when lost ---------
+
+@pytest.fixture
+def merchant() -> Iterator[MerchantReceiver]:
+    fake = MerchantReceiver().start()
+    MerchantEndpoint.objects.create(url=f"{fake.url}/hooks/refundops")
+    yield fake
+    fake.stop()
+
+
+def test_a_broker_outage_at_commit_delays_the_merchant_webhooks_and_loses_none(api, policy, worker, merchant,
+                                                                             settings):
+    sandbox.set_mode("up", settle_delay_seconds=0)
+    payment = make_payment(amount=5_000)
+
+    with broker_at(DEAD_BROKER):
+        response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_000,
+                                                 "reason": "duplicate"})
+
+    assert response.status_code == 201
+    assert WebhookDelivery.objects.filter(status="pending").count() == 2  # requested, approved: written
+    assert OutboxMessage.objects.filter(task="refundops.tasks.deliver_webhook", sent_at__isnull=True).count() == 2
+    assert merchant.received == []
+
+    settings.OUTBOX_GRACE_SECONDS = 0
+    relay_outbox()  # the broker is back
+
+    wanted = ["refund.requested", "refund.approved", "refund.submitted", "refund.settled"]
+    wait_for(lambda: sorted(e["type"] for e in merchant.events()) == sorted(wanted), what="four events")
+    wait_for(lambda: WebhookDelivery.objects.filter(status="delivered").count() == 4, what="deliveries logged")
+
+
+def test_deliveries_whose_task_was_lost_are_delivered_by_the_sweep(api, policy, merchant, settings):
+    payment = make_payment(amount=5_000)
+    with broker_at(django_settings.REDIS_URL):  # no worker yet: the tasks wait in Redis
+        response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_000,
+                                                 "reason": "duplicate"})
+    assert response.status_code == 201
+    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()  # sent: the broker had them
+    assert [m["task"] for m in queued("default")].count("refundops.tasks.deliver_webhook") == 2
+    client = redis.Redis.from_url(django_settings.REDIS_URL)  # Redis restarts without its queues
+    client.delete(*client.scan_iter(match=f"{django_settings.REDIS_KEY_PREFIX}*"))
+
+    settings.WEBHOOK_OVERDUE_SECONDS = 0
+    with broker_at(django_settings.REDIS_URL), start_worker(
+            celery_app, pool="threads", concurrency=2, perform_ping_check=False,
+            queues=django_settings.CELERY_WORKER_QUEUES, loglevel="WARNING", shutdown_timeout=10):
+        assert deliver_overdue_webhooks() == 2
+        wait_for(lambda: sorted(e["type"] for e in merchant.events()) == ["refund.approved", "refund.requested"],
+                 what="both events")
+        wait_for(lambda: WebhookDelivery.objects.filter(status="delivered").count() == 2, what="deliveries logged")
+    assert deliver_overdue_webhooks() == 0

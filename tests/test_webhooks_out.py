@@ -5,17 +5,38 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
+from datetime import timedelta
 
 import pytest
+from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
+from approvals.services import (
+    approve_refund,
+    expire_held_refunds,
+    reject_refund,
+    resubmit_refund,
+)
 from audit.models import AuditEntry
 from processors import sandbox, signing
+from processors.base import RefundResult, WebhookEvent
+from processors.money import Money
 from refundops import outbound
-from refundops.models import MerchantEndpoint, Refund, RefundState, WebhookDelivery
+from refundops.models import (
+    MerchantEndpoint,
+    OutboxMessage,
+    Refund,
+    RefundState,
+    WebhookDelivery,
+)
+from refundops.services import payouts
+from refundops.services.gateway_events import record_external_refund
 from tests.conftest import make_payment, post
 from tests.fakes import FakeGateway, Request, Response
 from tests.fakes.fixtures import wait_for
+from tests.test_approvals import approver, held_policy, held_refund  # noqa: F401 - held_policy is a fixture
 
 S = RefundState
 
@@ -50,6 +71,15 @@ def endpoint(db, receiver: MerchantReceiver) -> MerchantEndpoint:
     return MerchantEndpoint.objects.create(url=f"{receiver.url}/hooks/refundops")
 
 
+def announced_held_refund(payment) -> Refund:
+    """A held refund as a service writes it: with its event, in one transaction."""
+    with transaction.atomic():
+        refund = Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
+                                       status=S.HELD)
+        outbound.announce_refund(refund, previous=None)
+    return refund
+
+
 def types_received(receiver: MerchantReceiver) -> list[str]:
     return [event["type"] for event in receiver.events()]
 
@@ -81,7 +111,7 @@ def test_a_failed_delivery_is_retried_with_backoff_until_it_lands(worker, receiv
     endpoint.event_types = ["refund.held"]
     endpoint.save()
 
-    Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate", status=S.HELD)
+    announced_held_refund(payment)
 
     delivery = wait_for(lambda: WebhookDelivery.objects.filter(status="delivered").first(), what="delivered")
     assert (delivery.attempts, delivery.response_code, delivery.last_error) == (3, 200, "")
@@ -95,7 +125,7 @@ def test_a_delivery_that_gave_up_can_be_redelivered_by_hand(settings, worker, re
     settings.WEBHOOK_MAX_ATTEMPTS = 2
     receiver.script = [500, 500]
     payment = make_payment(amount=5_000)
-    Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate", status=S.HELD)
+    announced_held_refund(payment)
     failed = wait_for(lambda: WebhookDelivery.objects.filter(status="failed").first(), what="gave up")
     assert (failed.attempts, failed.response_code) == (2, 500) and "HTTP 500" in failed.last_error
 
@@ -115,12 +145,15 @@ def test_an_endpoint_gets_only_the_events_it_asked_for_and_inactive_ones_none():
     everything = MerchantEndpoint.objects.create(url="http://127.0.0.1:9/c")
     refund = Refund.objects.create(payment=make_payment(amount=5_000), amount_minor=100, currency="USD",
                                    reason="duplicate", status=S.SUBMITTED)
+    outbound.announce_refund(refund, previous=None)
     refund.settle(at=None)
     refund.save()
+    outbound.announce_refund(refund, previous=S.SUBMITTED)
 
     logged = sorted(WebhookDelivery.objects.values_list("endpoint_id", "event_type"))
     assert logged == sorted([(everything.pk, "refund.submitted"), (everything.pk, "refund.settled"),
                              (settled_only.pk, "refund.settled")])
+    assert OutboxMessage.objects.filter(task="refundops.tasks.deliver_webhook").count() == 3  # one each
 
 
 @pytest.mark.django_db
@@ -128,11 +161,60 @@ def test_a_change_that_rolls_back_is_never_announced():
     MerchantEndpoint.objects.create(url="http://127.0.0.1:9/a")
     refund = Refund.objects.create(payment=make_payment(amount=5_000), amount_minor=100, currency="USD",
                                    reason="duplicate", status=S.SUBMITTED)
-    before = WebhookDelivery.objects.count()
+    before = WebhookDelivery.objects.count(), OutboxMessage.objects.count()
 
     with pytest.raises(RuntimeError), transaction.atomic():
         refund.settle(at=None)
         refund.save()
+        outbound.announce_refund(refund, previous=S.SUBMITTED)
         raise RuntimeError("the writer failed after the change")
 
-    assert WebhookDelivery.objects.count() == before
+    assert (WebhookDelivery.objects.count(), OutboxMessage.objects.count()) == before
+
+
+@pytest.mark.django_db
+def test_a_model_saved_outside_a_service_announces_nothing():
+    """Models announce nothing themselves: the services do, in the transaction that decides."""
+    MerchantEndpoint.objects.create(url="http://127.0.0.1:9/a")
+    refund = Refund.objects.create(payment=make_payment(amount=5_000), amount_minor=100, currency="USD",
+                                   reason="duplicate", status=S.SUBMITTED)
+    refund.settle(at=None)
+    refund.save()
+    assert not WebhookDelivery.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("held_policy")
+def test_every_writer_announces_each_move_it_makes():
+    """Each state a refund's history shows it moving into was announced, from the state it left:
+    asked for and held, approved by a person, submitted and settled by the gateway, rejected,
+    expired, failed and resubmitted, and made on the gateway directly."""
+    MerchantEndpoint.objects.create(url="http://127.0.0.1:9/a")
+    alice = approver("alice", limit=50_000)
+    paid, rejected, expired, resubmitted = (held_refund(9_000) for _ in range(4))
+    approve_refund(refund_id=paid.pk, approver=alice)
+    accepted = RefundResult(processor_refund_id="re_paid", status="pending", amount=Money(9_000, "USD"))
+    payouts.record_gateway_result(refund_id=paid.pk, result=accepted)
+    payouts.record_gateway_result(refund_id=paid.pk, result=replace(accepted, status="succeeded"))
+    reject_refund(refund_id=rejected.pk, approver=alice, note="not ours to pay")
+    then = timezone.now() - timedelta(hours=settings.HELD_REFUND_EXPIRY_HOURS, minutes=1)
+    Refund.objects.filter(pk=expired.pk).update(created_at=then, counted_at=then)
+    assert expire_held_refunds() == 1
+    approve_refund(refund_id=resubmitted.pk, approver=alice)
+    payouts.record_gateway_failure(refund_id=resubmitted.pk, code="card_closed", message="card was closed")
+    resubmit_refund(refund_id=resubmitted.pk, approver=alice, note="new card")
+    external = make_payment(amount=5_000)
+    record_external_refund(payment_id=external.pk, reason="customer_request",
+                           result=RefundResult(processor_refund_id="re_ext", status="succeeded",
+                                               amount=Money(500, "USD")),
+                           event=WebhookEvent(processor="sandbox", event_id="evt_ext", type="refund.created",
+                                              object_id="re_ext"))
+
+    for refund in Refund.objects.all():
+        states = [h.status for h in refund.history.order_by("history_date", "history_id")]
+        moves = {(previous, status) for previous, status in zip([None, *states], states) if previous != status}
+        announced = {(d.payload["data"]["previous_status"], d.payload["data"]["object"]["status"])
+                     for d in WebhookDelivery.objects.filter(payload__data__object__id=refund.pk)}
+        assert announced == moves, refund.origin
+    assert sorted(Refund.objects.values_list("status", flat=True)) == sorted(
+        [S.SETTLED, S.REJECTED, S.EXPIRED, S.APPROVED, S.SETTLED])

@@ -5,11 +5,8 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
-from django.db.models.signals import post_save
-from django.dispatch import receiver
 from django.utils import timezone
 from django_fsm import ConcurrentTransitionMixin, FSMField, transition
-from django_fsm.signals import post_transition
 from simple_history.models import HistoricalRecords
 
 from audit.ids import new_id
@@ -194,20 +191,3 @@ class IdempotencyRecord(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["scope", "key"], name="idempotency_one_key_one_effect")]
-
-
-# Every refund state change is announced to merchants (refundops.outbound). Transitions note
-# their moves on the instance; the save that persists them queues the events in its transaction.
-# Hooked here rather than in each service so no writer (services, approvals, admin) can forget.
-@receiver(post_transition, sender=Refund)
-def _note_refund_move(sender, instance: Refund, source: str, target: str, **kwargs) -> None:
-    instance.__dict__.setdefault("_state_moves", []).append((source, target))
-
-
-@receiver(post_save, sender=Refund)
-def _announce_refund_moves(sender, instance: Refund, created: bool, raw: bool = False, **kwargs) -> None:
-    if raw:  # loaddata: history, not news
-        return
-    from refundops.outbound import announce_refund_changes  # outbound imports this module
-
-    announce_refund_changes(instance, created=created)

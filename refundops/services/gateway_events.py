@@ -27,6 +27,7 @@ from processors.base import ProcessorUnavailable, RefundResult, WebhookEvent
 from processors.paypal import PayPalDispute, PayPalProcessor
 from processors.registry import get_processor
 from processors.stripe import StripeProcessor
+from refundops import outbound
 from refundops.locks import lock_payment, lock_platform
 from refundops.models import (
     COUNTING_STATES,
@@ -272,6 +273,7 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
         note=f"Made on {payment.processor} directly; learned from event {event.event_id}.")
     refund._change_reason = f"learned from {payment.processor} event {event.event_id}"
     refund.save()
+    outbound.announce_refund(refund, previous=None)
     if made_at is not None:  # created_at is set on insert; the running totals count it from when it was made
         Refund.objects.filter(pk=refund.pk).update(created_at=made_at, counted_at=made_at)
     Verdict.objects.filter(pk=verdict.pk).update(refund_id=refund.pk)
@@ -317,6 +319,7 @@ def _cancel_to_make_room(waiting: Refund, *, event: WebhookEvent) -> None:
                            "longer fits in what was captured.")
     waiting._change_reason = f"made room for an external refund ({event.event_id})"
     waiting.save()
+    outbound.announce_refund(waiting, previous=before)
     record_audit(actor=ACTOR, action="refund.canceled", subject_type="refund", subject_id=waiting.pk,
                  data={"from": before, "why": "external refund on the gateway", "event_id": event.event_id})
 

@@ -30,7 +30,7 @@ from processors.base import (
     RefundResult,
 )
 from processors.registry import get_processor
-from refundops import metrics
+from refundops import metrics, outbound
 from refundops.locks import lock_payment, lock_refund
 from refundops.models import GatewayAttempt, LedgerDiscrepancy, Refund, RefundState
 from refundops.services import attempts
@@ -179,7 +179,8 @@ def _cancel_if_disputed(refund: Refund) -> Refund:
     refund.cancel(message=f"The payment was disputed ({refund.payment.dispute_reference}) after this refund "
                           f"was approved automatically and before it was paid; paying it as well could "
                           f"pay the customer twice. A person may refund it once the dispute is decided.")
-    _save(refund, f"payment disputed ({refund.payment.dispute_reference}) before it was paid")
+    _save(refund, f"payment disputed ({refund.payment.dispute_reference}) before it was paid",
+          previous=RefundState.APPROVED)
     sync_payment_amounts(refund.payment)
     record_audit(actor=WORKER, action="refund.canceled", subject_type="refund", subject_id=refund.pk,
                  data={"from": RefundState.APPROVED, "why": "payment disputed after automatic approval",
@@ -224,23 +225,24 @@ def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gate
                                                         f"and the payment has no room left to take it back")
             return refund
         refund.reinstate(processor_refund_id=result.processor_refund_id, at=now)
-        _save(refund, f"gateway paid {result.processor_refund_id} after we recorded it {before}")
+        _save(refund, f"gateway paid {result.processor_refund_id} after we recorded it {before}", previous=before)
         log.error("refund %s: the gateway paid it (%s) after we recorded it %s; reinstated",
                   refund.pk, result.processor_refund_id, before)
     if refund.status == RefundState.APPROVED and paid:
         refund.submit(processor_refund_id=result.processor_refund_id, at=now)
-        _save(refund, f"gateway accepted {result.processor_refund_id}")
+        _save(refund, f"gateway accepted {result.processor_refund_id}", previous=RefundState.APPROVED)
+    leaving = refund.status
     if refund.status == RefundState.SUBMITTED and result.status == "succeeded":
         refund.settle(at=now)
-        _save(refund, "gateway reported success")
+        _save(refund, "gateway reported success", previous=leaving)
     elif refund.status in (RefundState.APPROVED, RefundState.SUBMITTED, RefundState.SETTLED) \
             and result.status == "failed":
         refund.fail(code=result.failure_code or "gateway_failed",
                     message=result.failure_message or "The gateway failed the refund.")
-        _save(refund, "gateway reported failure")
+        _save(refund, "gateway reported failure", previous=leaving)
     elif refund.status in (RefundState.APPROVED, RefundState.SUBMITTED) and result.status == "canceled":
         refund.cancel(message="The gateway canceled the refund.")
-        _save(refund, "gateway canceled the refund")
+        _save(refund, "gateway canceled the refund", previous=leaving)
     if refund.status != before:
         sync_payment_amounts(refund.payment)
         gateway_response = {**asdict(result), "amount": asdict(result.amount)}
@@ -297,7 +299,7 @@ def record_gateway_failure(*, refund_id: str, code: str, message: str) -> Refund
     if refund.status != RefundState.APPROVED or attempts.may_be_at_gateway(refund):
         return refund
     refund.fail(code=code, message=message)
-    _save(refund, f"gateway declined: {code}")
+    _save(refund, f"gateway declined: {code}", previous=RefundState.APPROVED)
     sync_payment_amounts(refund.payment)
     Verdict.objects.filter(pk=refund.verdict_id).update(gateway_response={"declined": code, "message": message})
     record_audit(actor=WORKER, action="refund.failed", subject_type="refund", subject_id=refund.pk,
@@ -342,6 +344,8 @@ def _lock(refund_id: str) -> Refund:
     return lock_refund(refund_id)
 
 
-def _save(refund: Refund, reason: str) -> None:
+def _save(refund: Refund, reason: str, *, previous: str) -> None:
+    """Save a refund's move out of ``previous``, and announce it to merchants in the same transaction."""
     refund._change_reason = f"{WORKER}: {reason}"
     refund.save()
+    outbound.announce_refund(refund, previous=previous)

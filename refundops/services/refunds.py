@@ -13,8 +13,8 @@ from django.utils import timezone
 
 from audit.models import Verdict
 from audit.services import record_audit
-from refundops import breaker, idempotency, outbox
-from refundops.answers import Answer, error_answer, suggested_message
+from refundops import breaker, idempotency, outbound, outbox
+from refundops.answers import Answer, error_answer, refund_json, suggested_message
 from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.inputs import RefundInput, ValidationFailed, could_be_id, for_the_record, has_nul, parse_refund
@@ -225,6 +225,7 @@ def _write_refund(*, caller: Caller, payment: Payment, ask: RefundInput, decisio
     # History names who asked and which verdict moved it (agents are not Django users).
     refund._change_reason = f"requested by {caller.label}"
     refund.save()
+    outbound.announce_refund(refund, previous=None)
     if decision.outcome == "approved":
         refund.approve_automatically()
     elif decision.outcome == "held":
@@ -234,6 +235,7 @@ def _write_refund(*, caller: Caller, payment: Payment, ask: RefundInput, decisio
     refund._change_reason = f"verdict {verdict.id}: {decision.outcome}" + (
         f" ({decision.code})" if decision.code else "")
     refund.save()
+    outbound.announce_refund(refund, previous=RefundState.REQUESTED)
     sync_payment_amounts(payment)
     return refund
 
@@ -285,13 +287,6 @@ def verdict_json(verdict: Verdict) -> dict[str, Any]:
     return {"id": verdict.id, "outcome": verdict.outcome, "code": verdict.code or None,
             "policy_version": verdict.policy_version, "checks": verdict.checks,
             "hold_reasons": verdict.hold_reasons}
-
-
-def refund_json(refund: Refund) -> dict[str, Any]:
-    return {"id": refund.pk, "status": refund.status, "amount": refund.amount_minor,
-            "currency": refund.currency, "transaction_id": refund.payment_id, "reason": refund.reason,
-            "estimated_arrival": refund.estimated_arrival.isoformat() if refund.estimated_arrival else None,
-            "hold_reasons": refund.hold_reasons, "created_at": refund.created_at.isoformat()}
 
 
 def _created_answer(refund: Refund, decision: Decision, verdict: Verdict, payment: Payment, totals,
