@@ -57,6 +57,11 @@ class Totals:
     agent_day_minor: int
     session_minor: int
     global_day_minor: int
+    # What agents (any agent, not people) refunded: on this payment ever, and to this customer within
+    # the limits' cumulative window. The approval threshold applies to these plus the new amount.
+    # Defaults: verdicts recorded before these were counted replay as zero.
+    agents_payment_minor: int = 0
+    agents_customer_window_minor: int = 0
 
 
 @dataclass
@@ -160,7 +165,7 @@ def evaluate_refund(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | 
 
     hold_reasons = _hold_rules(checks, payment=payment, limits=limits, rules=rules, totals=totals,
                                amount=amount, reason=ask.reason, now=now, money=money,
-                               requester_authority=ask.requester_authority_minor)
+                               requester_authority=ask.requester_authority_minor, by_agent=ask.agent_id is not None)
     if hold_reasons:
         return Decision("held", amount, checks=checks, hold_reasons=hold_reasons,
                         message="Held for a person: " + ", ".join(hold_reasons) + ".")
@@ -207,7 +212,7 @@ def _check_running_totals(require, limits: RefundLimits, totals: Totals, amount:
 
 def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits | None,
                 rules: HoldRules | None, totals: Totals, amount: int, reason: str, now: datetime,
-                money, requester_authority: int | None) -> list[str]:
+                money, requester_authority: int | None, by_agent: bool) -> list[str]:
     fired: list[str] = []
 
     def rule(name: str, code: str, fires: bool, **detail: Any) -> None:
@@ -222,6 +227,18 @@ def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits |
         threshold = int(limits.reason_thresholds.get(reason, limits.approval_threshold_minor))
         rule("approval_threshold", "APPROVAL_REQUIRED", amount > threshold, limit=threshold, observed=amount,
              message=f"{money(amount)} is above the {money(threshold)} an agent may refund alone.")
+        if by_agent:  # splitting one refund into several does not beat the threshold
+            before, scope = max((totals.agents_payment_minor, "on this payment"),
+                                (totals.agents_customer_window_minor,
+                                 f"to this customer in the last {limits.cumulative_window_hours} h"))
+            rule("approval_threshold_cumulative", "APPROVAL_REQUIRED_CUMULATIVE",
+                 before > 0 and before + amount > threshold, limit=threshold, observed=before + amount,
+                 inputs={"amount": amount, "agents_on_payment": totals.agents_payment_minor,
+                         "agents_on_customer": totals.agents_customer_window_minor,
+                         "window_hours": limits.cumulative_window_hours},
+                 message=f"{money(before)} already refunded by agents {scope}, plus {money(amount)}, is "
+                         f"{money(before + amount)}: above the {money(threshold)} agents may refund without "
+                         f"a person.")
     if requester_authority is not None:
         rule("requester_authority", "ABOVE_REQUESTER_AUTHORITY", amount > requester_authority,
              limit=requester_authority, observed=amount,

@@ -31,23 +31,27 @@ def start_of_day(now: datetime) -> datetime:
 # from turning that into a scan of every recent refund).
 _TOTALS_SQL = """
 SELECT
-  (SELECT COUNT(*) FROM {refund} WHERE payment_id = %(payment)s AND status = ANY(%(states)s)
-     AND id <> %(exclude)s),
+  pr.count,
   c.day_count, c.day_sum, c.month_count, c.month_sum, c.velocity,
   a.hour_sum, a.day_sum, a.session_sum,
   (SELECT COALESCE(SUM(amount_minor), 0) FROM {refund}
     WHERE status = ANY(%(states)s) AND currency = %(currency)s AND counted_at >= %(day)s
-      AND id <> %(exclude)s)
+      AND id <> %(exclude)s),
+  pr.agents_sum, c.agents_window_sum
 FROM
+  (SELECT COUNT(*) AS count, COALESCE(SUM(amount_minor) FILTER (WHERE origin = %(agent_origin)s), 0) AS agents_sum
+     FROM {refund} WHERE payment_id = %(payment)s AND status = ANY(%(states)s) AND id <> %(exclude)s) pr,
   (SELECT COUNT(*) FILTER (WHERE r.counted_at >= %(day)s) AS day_count,
           COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(day)s), 0) AS day_sum,
           COUNT(*) FILTER (WHERE r.counted_at >= %(month)s) AS month_count,
           COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(month)s), 0) AS month_sum,
-          COUNT(*) FILTER (WHERE r.counted_at >= %(velocity)s) AS velocity
+          COUNT(*) FILTER (WHERE r.counted_at >= %(velocity)s) AS velocity,
+          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(cumulative)s AND r.origin = %(agent_origin)s), 0)
+            AS agents_window_sum
      FROM {payment} p CROSS JOIN LATERAL (
-          SELECT amount_minor, counted_at FROM {refund}
+          SELECT amount_minor, counted_at, origin FROM {refund}
            WHERE payment_id = p.id AND status = ANY(%(states)s) AND currency = %(currency)s
-             AND counted_at >= LEAST(%(month)s, %(velocity)s) AND id <> %(exclude)s
+             AND counted_at >= LEAST(%(month)s, %(velocity)s, %(cumulative)s) AND id <> %(exclude)s
           OFFSET 0) r
     WHERE p.customer_id = %(customer)s) c,
   (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE counted_at >= %(hour)s), 0) AS hour_sum,
@@ -61,14 +65,15 @@ FROM
 
 
 def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
-                   velocity_hours: int = 24, exclude_refund_id: str = "") -> Totals:
+                   velocity_hours: int = 24, cumulative_hours: int = 24, exclude_refund_id: str = "") -> Totals:
     """What every scope has already refunded in the payment's currency, counting each refund that
     is not denied, rejected, expired, canceled or failed, whoever made it (agent, staff, gateway).
     ``exclude_refund_id``: the refund being decided, when it is already written."""
     params = {"exclude": exclude_refund_id, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
               "agent": agent_id, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
               "day": start_of_day(now), "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
-              "velocity": now - timedelta(hours=velocity_hours)}
+              "velocity": now - timedelta(hours=velocity_hours),
+              "cumulative": now - timedelta(hours=cumulative_hours), "agent_origin": str(Refund.Origin.AGENT)}
     if connection.vendor != "postgresql":
         return _running_totals_orm(params)
     with connection.cursor() as cursor:
@@ -85,11 +90,14 @@ def _running_totals_orm(p: dict) -> Totals:
     def total(q: Q) -> Sum:
         return Sum("amount_minor", filter=q, default=0)
 
+    by_agents = Q(origin=Refund.Origin.AGENT)
     customer = counting.filter(payment__customer_id=p["customer"],
-                               counted_at__gte=min(p["month"], p["velocity"])).aggregate(
+                               counted_at__gte=min(p["month"], p["velocity"], p["cumulative"])).aggregate(
         day_count=Count("id", filter=Q(counted_at__gte=p["day"])), day_sum=total(Q(counted_at__gte=p["day"])),
         m_count=Count("id", filter=Q(counted_at__gte=p["month"])), m_sum=total(Q(counted_at__gte=p["month"])),
-        velocity=Count("id", filter=Q(counted_at__gte=p["velocity"])))
+        velocity=Count("id", filter=Q(counted_at__gte=p["velocity"])),
+        agents=total(by_agents & Q(counted_at__gte=p["cumulative"])))
+    on_payment = counting.filter(payment_id=p["payment"]).aggregate(count=Count("id"), agents=total(by_agents))
     agent = {"hour": 0, "day": 0, "session": 0}
     if p["agent"]:
         in_session = Q(agent_session_id=p["session"]) if p["session"] else Q(pk__in=[])
@@ -98,12 +106,13 @@ def _running_totals_orm(p: dict) -> Totals:
             hour=total(Q(counted_at__gte=p["hour"])), day=total(Q(counted_at__gte=p["day"])),
             session=total(in_session))
     return Totals(
-        payment_refund_count=counting.filter(payment_id=p["payment"]).count(),
+        payment_refund_count=on_payment["count"],
         customer_day_count=customer["day_count"], customer_day_minor=customer["day_sum"],
         customer_30d_count=customer["m_count"], customer_30d_minor=customer["m_sum"],
         customer_velocity_count=customer["velocity"], agent_hour_minor=agent["hour"],
         agent_day_minor=agent["day"], session_minor=agent["session"],
-        global_day_minor=counting.filter(counted_at__gte=p["day"]).aggregate(s=total(Q()))["s"])
+        global_day_minor=counting.filter(counted_at__gte=p["day"]).aggregate(s=total(Q()))["s"],
+        agents_payment_minor=on_payment["agents"], agents_customer_window_minor=customer["agents"])
 
 
 def payment_json(payment: Payment) -> dict:

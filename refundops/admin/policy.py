@@ -107,8 +107,8 @@ class RefundLimitsAdmin(VersionedAdmin):
     list_filter = ("currency",)
     fieldsets = (
         (None, {"fields": ("currency", "version", "note", "created_by", "created_at")}),
-        ("Per refund", {"fields": ("approval_threshold_minor", "reason_thresholds", "allowed_reasons",
-                                   "refund_window_days", "max_refunds_per_payment")}),
+        ("Per refund", {"fields": ("approval_threshold_minor", "reason_thresholds", "cumulative_window_hours",
+                                   "allowed_reasons", "refund_window_days", "max_refunds_per_payment")}),
         ("Running totals", {"fields": ("customer_daily_count", "customer_daily_amount_minor",
                                        "customer_30d_count", "customer_30d_amount_minor",
                                        "agent_hourly_amount_minor", "agent_daily_amount_minor",

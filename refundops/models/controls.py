@@ -41,6 +41,9 @@ class RefundLimits(models.Model):
     reason_thresholds = models.JSONField(
         default=dict, blank=True,
         help_text='Per-reason approval thresholds overriding the one above, e.g. {"fraudulent": 2000}')
+    cumulative_window_hours = models.PositiveIntegerField(
+        default=24, help_text="The approval threshold also applies to what agents refunded to the same "
+                              "customer within this many hours (and on the same payment, ever), plus the new amount")
     allowed_reasons = models.JSONField(default=list, help_text="Reasons an agent may use")
     refund_window_days = models.PositiveIntegerField(default=90)
     max_refunds_per_payment = models.PositiveIntegerField(default=5)

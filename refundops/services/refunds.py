@@ -119,6 +119,7 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     def decide(paused: bool, exclude_refund_id: str = "") -> tuple[Decision, Totals]:
         totals = running_totals(payment=locked, agent_id=agent_id, session_id=ask.agent.session_id, now=now,
                                 velocity_hours=rules.velocity_window_hours if rules else 24,
+                                cumulative_hours=limits.cumulative_window_hours if limits else 24,
                                 exclude_refund_id=exclude_refund_id)
         return evaluate_refund(payment=locked, limits=limits, rules=rules, totals=totals, now=now, ask=refund_ask,
                                paused=paused, breaker_open=breaker_open), totals
