@@ -111,7 +111,7 @@ def test_the_customer_window_is_finances_and_the_payment_counts_whatever_its_age
     customer = make_customer()
     old, other = make_payment(amount=50_000, customer=customer), make_payment(amount=50_000, customer=customer)
     first = ask(raw, old.pk, 15_000)
-    Refund.objects.filter(pk=first["refund"]["id"]).update(created_at=timezone.now() - timedelta(hours=25))
+    Refund.objects.filter(pk=first["refund"]["id"]).update(counted_at=timezone.now() - timedelta(hours=25))
 
     # Outside the 24 hours for the customer: another payment of theirs starts from zero...
     assert ask(raw, other.pk, 6_000)["refund"]["status"] == "approved"

@@ -287,7 +287,7 @@ def test_the_service_answers_as_the_reference_and_never_past_a_bound(scenario, s
         paid = [Paid(rows.index(next(r for r in rows if r.pk == refund.payment_id)),
                      people.index(next(p for p in people if p.pk == refund.payment.customer_id)),
                      refund.amount_minor, _name_of(keys, refund.agent_id), refund.agent_session_id,
-                     refund.created_at, held=refund.status == "held")
+                     refund.counted_at, held=refund.status == "held")
                 for refund in (counted[pk] for pk in refund_ids)]
         assert_within_bounds(paid, payments, limit_values)
         for payment in Payment.objects.filter(pk__in=[r.pk for r in rows]):

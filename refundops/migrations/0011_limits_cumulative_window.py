@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [("refundops", "0007_hold_rules_v1")]
+    dependencies = [("refundops", "0010_outbox_message")]
     operations = [
         migrations.AddField(
             model_name="refundlimits", name="cumulative_window_hours",
