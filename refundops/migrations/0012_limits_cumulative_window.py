@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [("refundops", "0010_outbox_message")]
+    dependencies = [("refundops", "0011_payment_operation_unknown")]
     operations = [
         migrations.AddField(
             model_name="refundlimits", name="cumulative_window_hours",
