@@ -23,12 +23,23 @@ VAR_DIR = Path(env("REFUNDOPS_VAR_DIR", default=str(BASE_DIR / "var")))
 # Production mode: no published secret, no sandbox unless asked for with a secret of its own, no
 # demo data. Unset, the platform runs in development mode (scripts/run).
 PRODUCTION = env("REFUNDOPS_ENV", default="development") == "production"
-if PRODUCTION and not env("DJANGO_SECRET_KEY", default=""):
-    raise ImproperlyConfigured("REFUNDOPS_ENV=production needs DJANGO_SECRET_KEY (a long random value); "
-                               "it will not start with the published development key.")
+DEV_SECRET_KEY = "dev-only-insecure-secret-key-change-me"
+# Keys that were ever written in this repository (compose once defaulted to the second).
+PUBLISHED_SECRET_KEYS = (DEV_SECRET_KEY, "change-me-in-production")
+
+
+def _weak_secret_key(key: str) -> bool:
+    """Short, generated for development (``django-insecure-``), or published here."""
+    return len(key) < 50 or key.startswith("django-insecure") or key in PUBLISHED_SECRET_KEYS
+
+
+if PRODUCTION and _weak_secret_key(env("DJANGO_SECRET_KEY", default="")):
+    raise ImproperlyConfigured(
+        "REFUNDOPS_ENV=production needs DJANGO_SECRET_KEY: a long random value of your own (50 characters or "
+        "more, e.g. python -c 'import secrets; print(secrets.token_urlsafe(50))'), never a published one.")
 
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
-SECRET_KEY = env("DJANGO_SECRET_KEY", default="dev-only-insecure-secret-key-change-me")
+SECRET_KEY = env("DJANGO_SECRET_KEY", default=DEV_SECRET_KEY)
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 

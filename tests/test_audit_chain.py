@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -375,7 +376,7 @@ def test_verify_audit_exits_non_zero_from_the_command_line():
 # The key comes from the environment
 
 def test_production_mode_refuses_to_start_without_an_audit_key():
-    env = {"PATH": "/usr/bin:/bin", "REFUNDOPS_ENV": "production", "DJANGO_SECRET_KEY": "x" * 60,
+    env = {"PATH": "/usr/bin:/bin", "REFUNDOPS_ENV": "production", "DJANGO_SECRET_KEY": secrets.token_urlsafe(50),
            "DJANGO_SETTINGS_MODULE": "refundops.settings"}
     started = subprocess.run([sys.executable, "-c", "import django; django.setup()"], env=env,
                              cwd=settings.BASE_DIR, capture_output=True, text=True)

@@ -46,6 +46,13 @@ def test_production_mode_refuses_to_start_without_a_secret_key():
     assert run("manage.py", "check", REFUNDOPS_ENV="production", DJANGO_SECRET_KEY=a_secret()).returncode == 0
 
 
+@pytest.mark.parametrize("published", ["change-me-in-production", "dev-only-insecure-secret-key-change-me",
+                                       "django-insecure-" + "x" * 50, "too-short-to-be-random"])
+def test_production_mode_refuses_a_published_or_weak_secret_key(published):
+    refused = run("manage.py", "check", REFUNDOPS_ENV="production", DJANGO_SECRET_KEY=published)
+    assert refused.returncode != 0 and "DJANGO_SECRET_KEY" in refused.stderr, refused.stderr[-2000:]
+
+
 @pytest.mark.parametrize("sandbox_secret", ["", "whsec_sandbox_dev"])
 def test_the_sandbox_is_never_on_in_production_with_a_published_or_missing_secret(sandbox_secret):
     refused = run("manage.py", "check", REFUNDOPS_ENV="production", DJANGO_SECRET_KEY=a_secret(),
