@@ -20,14 +20,13 @@ from openapi_spec_validator import validate
 from rest_framework.test import APIClient
 
 from processors import sandbox
-from processors.base import ProcessorDeclined
 from processors.models import SandboxCharge
 from refundops.errors import ERROR_STATUS
 from refundops.models import Capability, Dispute, Payment
-from refundops.services import payments
 from tests.conftest import make_agent_key, make_limits, make_payment, post
 from tests.test_capabilities import CONTRACT_REFUSALS, ENDPOINTS, World, build_world
-from tests.test_payment_operations import FakeStripe
+from tests.fakes.fixtures import stripe_account, wait_for
+from tests.fakes.stripe_server import FakeStripe
 
 pytestmark = pytest.mark.django_db
 
@@ -108,7 +107,7 @@ class Ctx:
     world: World
     raw: str  # a key with every capability
     settings: Any
-    monkeypatch: pytest.MonkeyPatch
+    stripe: FakeStripe  # the fake Stripe server, spoken to by the official SDK
 
     def body(self, **changes: Any) -> dict[str, Any]:
         return {**(ENDPOINTS[self.op].body(self.world) or {}), **changes}
@@ -128,9 +127,11 @@ class Ctx:
             return client.post(path, body, format="json")
         return post(client, path, body, key=key)
 
-    def use_gateway(self, gateway: Any, *, processor: str = "stripe") -> None:
-        self.monkeypatch.setattr(payments, "get_processor", lambda name, account: gateway)
-        Payment.objects.filter(pk=self.world.authorization.pk).update(processor=processor)
+    def use_stripe(self) -> None:
+        """The world's authorisation (and its order) at the fake Stripe, as an uncaptured payment intent."""
+        intent = self.stripe.add_payment_intent(self.world.authorization.amount_authorized_minor, captured=False)
+        Payment.objects.filter(pk=self.world.authorization.pk).update(
+            processor="stripe", processor_reference=intent, authorization_reference=intent)
 
 
 def _rate_limited(ctx: Ctx):
@@ -149,21 +150,40 @@ def _reused(ctx: Ctx):
     return ctx.call(key="same-key", body=ctx.body(agent={"session_id": "another"}))
 
 
+def _outcome_unknown(ctx: Ctx):
+    """Stripe acts, then answers after the client gave up, and cannot be asked either: unknown."""
+    ctx.use_stripe()
+    ctx.settings.PROCESSORS = {**ctx.settings.PROCESSORS,
+                               "stripe": {"default": {**stripe_account(ctx.stripe), "timeout": 0.5}}}
+    ctx.stripe.set_mode("slow_after", slow_seconds=1.5)
+    response = ctx.call()
+    assert response.json()["operation"]["status"] == "unknown"
+    return response
+
+
 def _in_flight_replay(ctx: Ctx):
-    """The same request again while the first one's gateway call is still running."""
-    replies = []
+    """The same request again while the first one's call to the fake Stripe is still running (the
+    test is transactional, so the first runs in a thread of its own)."""
+    import threading
 
-    class Gateway:
-        def _again(self, *args: Any, **kwargs: Any) -> Any:
-            replies.append(ctx.call(key="in-flight"))
-            raise ProcessorDeclined("stop here", code="test")
+    from django.db import connection
 
-        void = capture = create_payment_link = _again
+    ctx.use_stripe()
+    ctx.stripe.set_mode("slow", slow_seconds=3, path="/v1/payment_links")
 
-    ctx.use_gateway(Gateway(), processor="stripe" if ctx.op == "send_payment_link" else "sandbox")
-    ctx.call(key="in-flight")
-    assert replies[0].json()["deduplicated"] is True
-    return replies[0]
+    def first() -> None:
+        try:
+            ctx.call(key="in-flight")
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    wait_for(lambda: any(r.path == "/v1/payment_links" for r in ctx.stripe.received), what="the first call")
+    reply = ctx.call(key="in-flight")
+    thread.join(timeout=10)
+    assert reply.json()["deduplicated"] is True
+    return reply
 
 
 def _decline_at_sandbox(ctx: Ctx):
@@ -177,16 +197,16 @@ def _sandbox_down(ctx: Ctx):
     return ctx.call()
 
 
-class DecliningStripe(FakeStripe):
-    def create_payment_link(self, **kwargs: Any) -> Any:
-        raise ProcessorDeclined("currency not enabled", code="invalid_request")
+def _stripe_declines_the_link(ctx: Ctx):
+    ctx.use_stripe()
+    ctx.stripe.refuse_next(400, "Payment links are not enabled for this currency.", code="invalid_request")
+    return ctx.call()
 
 
-def _with_stripe(gateway: FakeStripe) -> Callable[[Ctx], Any]:
-    def produce(ctx: Ctx):
-        ctx.use_gateway(gateway)
-        return ctx.call()
-    return produce
+def _stripe_down(ctx: Ctx):
+    ctx.use_stripe()
+    ctx.stripe.set_mode("down")
+    return ctx.call()
 
 
 def _held_refund(ctx: Ctx):
@@ -225,13 +245,13 @@ SPECIFIC: dict[tuple[str, str], Callable[[Ctx], Any]] = {
     ("get_refund", "REFUND_NOT_FOUND"): lambda ctx: ctx.call(path="/api/v1/refunds/rf_x"),
     ("check_refund_eligibility", "PAYMENT_NOT_FOUND"): lambda ctx: ctx.call(body=ctx.body(transaction_id="txn_x")),
     ("create_refund", "202"): _held_refund,
-    ("void_authorization", "202"): _in_flight_replay,
+    ("void_authorization", "202"): _outcome_unknown,
     ("void_authorization", "PAYMENT_NOT_FOUND"): lambda ctx: ctx.call(path="/api/v1/payments/txn_x/void"),
     ("void_authorization", "PAYMENT_NOT_VOIDABLE"): lambda ctx: ctx.call(
         path=f"/api/v1/payments/{ctx.world.payment.pk}/void"),
     ("void_authorization", "GATEWAY_DECLINED"): _decline_at_sandbox,
     ("void_authorization", "GATEWAY_UNAVAILABLE"): _sandbox_down,
-    ("capture_payment", "202"): _in_flight_replay,
+    ("capture_payment", "202"): _outcome_unknown,
     ("capture_payment", "PAYMENT_NOT_FOUND"): lambda ctx: ctx.call(path="/api/v1/payments/txn_x/capture"),
     ("capture_payment", "PAYMENT_NOT_CAPTURABLE"): lambda ctx: ctx.call(
         path=f"/api/v1/payments/{ctx.world.payment.pk}/capture"),
@@ -244,8 +264,8 @@ SPECIFIC: dict[tuple[str, str], Callable[[Ctx], Any]] = {
     ("send_payment_link", "AMOUNT_NOT_OWED"): lambda ctx: ctx.call(body=ctx.body(amount=8_001)),
     ("send_payment_link", "PAYMENT_LINKS_UNSUPPORTED"): _then_call(
         lambda w: Payment.objects.filter(pk=w.authorization.pk).update(processor="paypal")),
-    ("send_payment_link", "GATEWAY_DECLINED"): _with_stripe(DecliningStripe()),
-    ("send_payment_link", "GATEWAY_UNAVAILABLE"): _with_stripe(FakeStripe(down=True)),
+    ("send_payment_link", "GATEWAY_DECLINED"): _stripe_declines_the_link,
+    ("send_payment_link", "GATEWAY_UNAVAILABLE"): _stripe_down,
     ("draft_dispute_evidence", "DISPUTE_NOT_FOUND"): lambda ctx: ctx.call(
         path="/api/v1/disputes/dp_x/evidence-drafts"),
     ("draft_dispute_evidence", "DISPUTE_NOT_OPEN"): _then_call(
@@ -266,11 +286,17 @@ def producer(op_id: str, code: str) -> Callable[[Ctx], Any]:
     return lambda ctx: ctx.call()  # the endpoint's own success
 
 
-@pytest.mark.parametrize("op_id,code", _pairs())
-def test_every_documented_response_is_one_the_operation_gives(world, settings, monkeypatch, op_id, code):
+# Produced by two requests at once: the first must commit for the second to see it.
+CONCURRENT = {("send_payment_link", "202")}
+
+
+@pytest.mark.parametrize("op_id,code", [
+    pytest.param(*pair, marks=pytest.mark.django_db(transaction=True)) if pair in CONCURRENT else pair
+    for pair in _pairs()])
+def test_every_documented_response_is_one_the_operation_gives(world, settings, gateways, stripe_fake, op_id, code):
     settings.RATE_LIMIT_AGENT_PER_MINUTE = 0  # off, except where the limit is the point
     _, raw = make_agent_key()
-    response = producer(op_id, code)(Ctx(op_id, world, raw, settings, monkeypatch))
+    response = producer(op_id, code)(Ctx(op_id, world, raw, settings, stripe_fake))
     if code.isdigit():
         assert response.status_code == int(code), response.json()
     else:

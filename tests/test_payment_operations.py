@@ -16,9 +16,7 @@ from django.utils import timezone
 
 from audit.models import AuditEntry, Verdict
 from processors import sandbox
-from processors.base import ProcessorUnavailable
 from processors.models import SandboxCharge
-from processors.stripe import StripePaymentLink
 from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.models import (
@@ -303,43 +301,31 @@ def test_payment_link_for_an_unknown_order_is_not_found(api, template):
             "PAYMENT_NOT_FOUND", 404)
 
 
-class FakeStripe:
-    """Stands in for processors.stripe.StripeProcessor, whose own tests drive a fake Stripe server."""
-
-    def __init__(self, *, down: bool = False) -> None:
-        self.down = down
-        self.calls: list[dict] = []
-
-    def create_payment_link(self, **kwargs) -> StripePaymentLink:
-        self.calls.append(kwargs)
-        if self.down:
-            raise ProcessorUnavailable("stripe timed out")
-        return StripePaymentLink(id="plink_1", url="https://buy.stripe.com/test_1", amount=kwargs["amount"],
-                                 active=True)
-
-
-def test_stripe_payment_link_is_created_through_the_adapter_after_the_decision(api, template, monkeypatch):
-    fake = FakeStripe()
-    monkeypatch.setattr(payments, "get_processor", lambda processor, account: fake)
+def test_stripe_payment_link_is_created_through_the_adapter_after_the_decision(api, template, gateways,
+                                                                                stripe_fake):
     payment = owing(5_000, processor="stripe", processor_reference="pi_123")
     response = post(api, "/api/v1/payment-links", {"transaction_id": payment.pk, "template": template.pk,
                                                    "amount": 5_000})
     assert response.status_code == 201, response.json()
     link = response.json()["payment_link"]
-    assert link["url"] == "https://buy.stripe.com/test_1"
-    assert fake.calls[0]["idempotency_key"] == f"refundops:{link['id']}"
-    assert fake.calls[0]["metadata"]["verdict_id"] == response.json()["verdict"]["id"]
+    made = stripe_fake.payment_links[PaymentLink.objects.get(pk=link["id"]).processor_link_id]
+    assert link["url"] == made["url"] and made["line_items"][0]["amount_total"] == 5_000
+    sent = next(r for r in stripe_fake.received if r.path == "/v1/payment_links")
+    assert sent.header("Idempotency-Key") == f"refundops:{link['id']}"
+    assert made["metadata"]["verdict_id"] == response.json()["verdict"]["id"]
 
 
-def test_stripe_outage_frees_the_owed_amount_for_another_link(api, template, monkeypatch):
-    monkeypatch.setattr(payments, "get_processor", lambda processor, account: FakeStripe(down=True))
+def test_stripe_outage_frees_the_owed_amount_for_another_link(api, template, gateways, stripe_fake):
     payment = owing(5_000, processor="stripe", processor_reference="pi_456")
     body = {"transaction_id": payment.pk, "template": template.pk, "amount": 5_000}
+    stripe_fake.set_mode("down")
     response = post(api, "/api/v1/payment-links", body)
     assert response.status_code == 503 and response.json()["error"]["code"] == "GATEWAY_UNAVAILABLE"
     assert PaymentLink.objects.get(pk=response.json()["error"]["payment_link_id"]).status == "failed"
-    monkeypatch.setattr(payments, "get_processor", lambda processor, account: FakeStripe())
+    assert not stripe_fake.payment_links
+    stripe_fake.set_mode("up")
     assert post(api, "/api/v1/payment-links", body).status_code == 201
+    assert len(stripe_fake.payment_links) == 1
 
 
 def test_payment_links_for_a_gateway_without_them_are_refused(api, template):
