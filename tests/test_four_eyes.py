@@ -165,6 +165,10 @@ def test_each_control_takes_effect_only_when_another_person_with_the_right_appro
         assert refused_code(lambda: propose_change(proposer=outsider, **ask)) == "PROPOSAL_NOT_AUTHORIZED"
         approve_proposal(proposal_id=proposal.pk, approver=checker)
         assert in_effect(), ask["kind"]
+        approved = AuditEntry.objects.get(action="proposal.approved", subject_id=proposal.pk).data
+        assert (approved["kind"], approved["proposed_by"], approved["decided_by"], approved["diff"]) == (
+            ask["kind"], maker.username, checker.username, proposal.diff), ask["kind"]
+        assert approved["diff"] and approved["proposed_at"] <= approved["decided_at"], ask["kind"]
         assert refused_code(lambda: approve_proposal(proposal_id=proposal.pk, approver=checker)) == "PROPOSAL_DECIDED"
 
 
