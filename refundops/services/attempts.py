@@ -80,9 +80,11 @@ def open_attempt(refund: Refund) -> GatewayAttempt:
 
 def close_attempt(attempt: GatewayAttempt, outcome: str, *, processor_refund_id: str = "",
                   code: str = "", message: str = "") -> None:
-    """Record one attempt's answer. Only a live one changes: an answer that came after the lease ran
-    out (and someone else looked it up) does not overwrite what they found."""
-    GatewayAttempt.objects.filter(pk=attempt.pk, outcome__in=(Outcome.LIVE, Outcome.UNKNOWN)).update(
+    """Record one attempt's answer. An answer that came after the lease ran out (and someone else
+    looked it up) does not overwrite what they found, unless it is a success: that is news."""
+    open_ones = (Outcome.LIVE, Outcome.UNKNOWN, Outcome.ABSENT) if outcome == Outcome.SUCCEEDED \
+        else (Outcome.LIVE, Outcome.UNKNOWN)
+    GatewayAttempt.objects.filter(pk=attempt.pk, outcome__in=open_ones).update(
         outcome=outcome, finished_at=timezone.now(), processor_refund_id=processor_refund_id,
         error_code=code[:60], error_message=message)
 
