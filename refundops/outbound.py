@@ -29,7 +29,7 @@ from django.utils import timezone
 from audit.ids import new_id
 from audit.services import record_audit
 from processors import signing
-from refundops import merchant_http, outbox
+from refundops import logs, merchant_http, outbox
 from refundops.answers import refund_json
 from refundops.models import MerchantEndpoint, Refund, WebhookDelivery
 
@@ -109,6 +109,7 @@ def attempt_delivery(*, delivery_id: str) -> WebhookDelivery:
     answer = merchant_http.post(
         delivery.endpoint.url, body, deadline_seconds=_setting("WEBHOOK_TIMEOUT_SECONDS"),
         headers={"Content-Type": "application/json", "User-Agent": "RefundOps-Webhooks/1",
+                 logs.REQUEST_ID_HEADER: logs.current_request_id(),
                  SIGNATURE_HEADER: signing.sign(body, delivery.endpoint.secret)})
     code, error = answer.status, answer.error
     return _record_attempt(delivery.pk, code=code, error=error)

@@ -13,6 +13,8 @@ import environ
 from kombu import Exchange, Queue
 from django.core.exceptions import ImproperlyConfigured
 
+from refundops import logs
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
@@ -66,6 +68,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "refundops.logs.RequestIdMiddleware",  # first: every line a request logs carries its id
     "refundops.metrics.RequestMetricsMiddleware",  # first: counts every answer, refusals included
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",  # the admin's static files, under any server
@@ -215,19 +218,37 @@ STATIC_URL = "static/"
 STATIC_ROOT = env("STATIC_ROOT", default=str(VAR_DIR / "static"))
 Path(STATIC_ROOT).mkdir(parents=True, exist_ok=True)  # WhiteNoise warns on every start without it
 
+# One JSON object per line on stderr (structlog), secrets redacted, each with the request id that
+# follows a refund from the call to the worker, the gateway and the webhooks (refundops/logs.py).
+LOG_LEVEL = env("LOG_LEVEL", default="INFO")
+LOG_FORMAT = env("LOG_FORMAT", default="json")  # or "console", for a person at a terminal
+logs.configure_structlog()
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "formatters": {"structured": logs.formatter(LOG_FORMAT)},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "structured"}},
+    "root": {"handlers": ["console"], "level": "WARNING"},
     "loggers": {
-        "refundops": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")},
+        **{name: {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False}
+           for name in ("refundops", "processors", "approvals", "audit", "proposals", "roles", "celery")},
         "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
     },
 }
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False  # the worker logs through LOGGING above, as JSON
 
 EMAIL_BACKEND = env("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend")
 OPERATOR_EMAILS = env.list("OPERATOR_EMAILS", default=[])
 DEFAULT_FROM_EMAIL = env("DEFAULT_FROM_EMAIL", default="refundops@localhost")
+SERVER_EMAIL = env("SERVER_EMAIL", default=DEFAULT_FROM_EMAIL)
+# SMTP, for EMAIL_BACKEND=django.core.mail.backends.smtp.EmailBackend (breaker mail to OPERATOR_EMAILS).
+EMAIL_HOST = env("EMAIL_HOST", default="localhost")
+EMAIL_PORT = env.int("EMAIL_PORT", default=25)
+EMAIL_HOST_USER = env("EMAIL_HOST_USER", default="")
+EMAIL_HOST_PASSWORD = env("EMAIL_HOST_PASSWORD", default="")
+EMAIL_USE_TLS = env.bool("EMAIL_USE_TLS", default=False)
+EMAIL_USE_SSL = env.bool("EMAIL_USE_SSL", default=False)
+EMAIL_TIMEOUT = env.int("EMAIL_TIMEOUT", default=10)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["refundops.api.auth.AgentKeyAuthentication"],

@@ -68,6 +68,7 @@ def submit_refund(self, *, refund_id: str) -> str:
         countdown = backoff_seconds(self.request.retries, retry_after=down.retry_after)
         log.warning("refund %s: not paid yet (%s); retry in %.0fs", refund_id, down.message, countdown)
         raise self.retry(countdown=countdown, exc=down) from None
+    log.info("refund %s: %s after the gateway call", refund_id, status)
     if status == RefundState.SUBMITTED:  # look again soon; the periodic sync is the safety net
         sync_refund.apply_async(kwargs={"refund_id": refund_id}, countdown=settings.REFUND_FIRST_SYNC_SECONDS)
     return status

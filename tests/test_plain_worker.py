@@ -32,7 +32,8 @@ def plain_worker(tmp_path):
     log = open(tmp_path / "worker.log", "w+")
     env = {**os.environ, "DATABASE_URL": database_url(), "REDIS_URL": settings.REDIS_URL,
            "REDIS_KEY_PREFIX": settings.REDIS_KEY_PREFIX, "CELERY_TASK_ALWAYS_EAGER": "false",
-           "REFUND_FIRST_SYNC_SECONDS": "1", "DATABASE_POOL": "false"}
+           "REFUND_FIRST_SYNC_SECONDS": "1", "DATABASE_POOL": "false",
+           "MERCHANT_WEBHOOK_ALLOW_PRIVATE": "true"}  # a merchant receiver on this machine
     process = subprocess.Popen([sys.executable, "-m", "celery", "-A", "refundops", "worker", "--pool", "solo",
                                 "--loglevel", "INFO"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True)

@@ -69,6 +69,7 @@ def call_gateway(gateway: str, account: str, call: Callable[[], T]) -> T:
         breaker.record_success(gateway, account)  # a final answer: the gateway is reachable
         raise
     metrics.record_gateway_call(gateway, "ok", time.perf_counter() - started)
+    log.info("gateway %s/%s answered in %.3fs", gateway, account, time.perf_counter() - started)
     breaker.record_success(gateway, account)
     return result
 

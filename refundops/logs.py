@@ -1,0 +1,184 @@
+"""Structured JSON logs (structlog) with a request id that follows a refund everywhere it goes.
+
+- Every log line, ours and Django's and Celery's, is one JSON object (``LOG_FORMAT=console`` for
+  people reading a terminal).
+- A request id comes in as ``X-Request-ID`` (or is made), is returned in the same response header,
+  and rides in each task's message headers: the worker logs under it, tasks it starts carry it on
+  (submit, sync, the merchant webhooks), and outbound webhooks send it as ``X-Request-ID``.
+- No log line carries an agent key, a gateway secret, a bearer token or a card number:
+  :func:`redact` runs on every line, whatever logged it.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+import structlog
+from celery import signals
+
+REQUEST_ID_HEADER = "X-Request-ID"
+REQUEST_ID_TASK_HEADER = "refundops_request_id"
+_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+# Field names whose values are secrets, wherever they appear in a line's fields.
+_SECRET_FIELD = re.compile(r"(secret|password|passwd|token|api_?key|authorization|cookie|card_?number|"
+                           r"^pan$|cvc|cvv|^key$|agent_key)", re.IGNORECASE)
+# Secrets inside free text: our agent keys, Stripe keys and webhook secrets, bearer and basic
+# credentials, PayPal client secrets in URLs, and anything shaped like a card number.
+_SECRET_TEXT = [
+    (re.compile(r"\b(rk_[A-Za-z0-9]{8})[A-Za-z0-9_-]+"), r"\1…[redacted]"),
+    (re.compile(r"\b((?:sk|rk|pk)_(?:live|test)_)[A-Za-z0-9]+"), r"\1[redacted]"),
+    (re.compile(r"\bwhsec_[A-Za-z0-9_]+"), "whsec_[redacted]"),
+    (re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=-]+"), r"\1 [redacted]"),
+    (re.compile(r"(?i)(client_secret|password|secret)=([^&\s]+)"), r"\1=[redacted]"),
+]
+_CARD_NUMBER = re.compile(r"\b(?:\d[ -]?){12,18}\d\b")
+
+
+def _luhn(digits: str) -> bool:
+    total, parity = 0, len(digits) % 2
+    for i, ch in enumerate(digits):
+        d = int(ch)
+        if i % 2 == parity:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 == 0
+
+
+def redact_text(text: str) -> str:
+    for pattern, replacement in _SECRET_TEXT:
+        text = pattern.sub(replacement, text)
+
+    def card(match: re.Match) -> str:
+        digits = re.sub(r"[ -]", "", match.group(0))
+        return "[card number redacted]" if 13 <= len(digits) <= 19 and _luhn(digits) else match.group(0)
+
+    return _CARD_NUMBER.sub(card, text)
+
+
+def _redact_value(key: str, value: Any) -> Any:
+    if isinstance(key, str) and _SECRET_FIELD.search(key) and value not in (None, "", [], {}):
+        return "[redacted]"
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, dict):
+        return {k: _redact_value(k, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_redact_value("", v) for v in value]
+    return value
+
+
+def redact(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """structlog processor: secrets out of every field and every message."""
+    return {k: (redact_text(v) if k == "event" and isinstance(v, str) else _redact_value(k, v))
+            for k, v in event_dict.items()}
+
+
+def _render_exception_text(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """Tracebacks go through the same redaction as messages (they quote arguments and URLs)."""
+    if "exception" in event_dict and isinstance(event_dict["exception"], str):
+        event_dict["exception"] = redact_text(event_dict["exception"])
+    return event_dict
+
+
+def formatter(fmt: str = "json") -> dict[str, Any]:
+    """LOGGING["formatters"] entry: std-library records and structlog events rendered alike."""
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.ExtraAdder(),
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer = (structlog.processors.JSONRenderer() if fmt == "json"
+                else structlog.dev.ConsoleRenderer(colors=False))
+    return {
+        "()": structlog.stdlib.ProcessorFormatter,
+        "foreign_pre_chain": shared,
+        "processors": [
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            _render_exception_text,
+            redact,
+            renderer,
+        ],
+    }
+
+
+def configure_structlog() -> None:
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.filter_by_level,
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.stdlib.PositionalArgumentsFormatter(),
+            structlog.processors.StackInfoRenderer(),
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+
+
+def current_request_id() -> str:
+    return structlog.contextvars.get_contextvars().get("request_id", "")
+
+
+def bind_request_id(request_id: str | None) -> str:
+    request_id = request_id if request_id and _VALID_REQUEST_ID.match(request_id) else uuid.uuid4().hex
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    return request_id
+
+
+class RequestIdMiddleware:
+    """Binds the request id for everything this request logs or enqueues, and returns it."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+        self.log = structlog.get_logger("refundops.request")
+
+    def __call__(self, request):
+        structlog.contextvars.clear_contextvars()
+        request_id = bind_request_id(request.headers.get(REQUEST_ID_HEADER))
+        request.request_id = request_id
+        try:
+            response = self.get_response(request)
+            response[REQUEST_ID_HEADER] = request_id
+            match = getattr(request, "resolver_match", None)
+            self.log.info("request", method=request.method, route=match.url_name if match else None,
+                          status=response.status_code)
+            return response
+        finally:
+            structlog.contextvars.clear_contextvars()
+
+
+@signals.before_task_publish.connect
+def _carry_request_id(headers: dict | None = None, **kwargs: Any) -> None:
+    request_id = current_request_id()
+    if headers is not None and request_id:
+        headers[REQUEST_ID_TASK_HEADER] = request_id
+
+
+@signals.task_prerun.connect
+def _bind_task_request_id(task: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
+    """The request id the task was sent with; an eager task (run inside the request) keeps the
+    request's own, and a task nobody sent from a request (beat) gets one of its own."""
+    saved = structlog.contextvars.get_contextvars()
+    request_id = (getattr(task.request, REQUEST_ID_TASK_HEADER, None)
+                  or (getattr(task.request, "headers", None) or {}).get(REQUEST_ID_TASK_HEADER)
+                  or saved.get("request_id") or f"task-{task_id}")
+    task.request.refundops_saved_log_context = saved
+    structlog.contextvars.clear_contextvars()
+    bind_request_id(request_id)
+    structlog.contextvars.bind_contextvars(task=task.name, task_id=task_id)
+
+
+@signals.task_postrun.connect
+def _unbind_task_request_id(task: Any = None, **kwargs: Any) -> None:
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(**getattr(task.request, "refundops_saved_log_context", {}))
