@@ -34,7 +34,7 @@ def authenticate_key(raw: str | None) -> AgentKey:
         raise ApiError("UNAUTHENTICATED", "Send your agent key as 'Authorization: Bearer rk_…'.")
     # The operators' "all agents off" switch comes in the same query as the key.
     all_disabled = Exists(PlatformState.objects.filter(pk=1, agents_disabled=True))
-    key = (AgentKey.objects.select_related("agent").annotate(all_agents_disabled=all_disabled)
+    key = (AgentKey.objects.select_related("agent__merchant").annotate(all_agents_disabled=all_disabled)
            .filter(prefix=raw[:KEY_PREFIX_LENGTH]).first() if raw.startswith("rk_") else None)
     if key is None or not hmac.compare_digest(key.key_hash, hash_key(raw)):
         raise ApiError("UNAUTHENTICATED", "This agent key is not recognised.")

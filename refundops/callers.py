@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
-from refundops.models import Agent, AgentKey
+from refundops.models import Agent, AgentKey, AgentRead
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class Caller:
         return self.agent is not None
 
     @property
+    def merchant_id(self) -> str | None:
+        """The one merchant an agent acts for; None for staff and the system, who see every one."""
+        return self.agent.merchant_id if self.agent else None
+
+    @property
     def idempotency_scope(self) -> str:
         return self.agent.id if self.agent else f"user:{self.user.pk}"
 
@@ -46,6 +52,20 @@ class Caller:
             return None
         amounts = self.user.refund_authorities.filter(currency=currency, is_active=True)
         return max(amounts.values_list("max_amount_minor", flat=True), default=0)
+
+    def session_id_for(self, session_id: str, now: datetime) -> str:
+        """The agent's session for limits: the one it named, or, when it named none, one session
+        per key and UTC hour (omitting or rotating session ids must not skip session limits)."""
+        if session_id or self.agent is None:
+            return session_id
+        return f"key:{self.key.prefix if self.key else self.agent.id}:{now.astimezone(UTC):%Y-%m-%dT%H}"
+
+    def record_read(self, operation: str, *, payment_id: str = "", refund_id: str = "") -> None:
+        """One INSERT: which agent (and key) looked at what. A read that found nothing is kept
+        too (probing ids leaves a trace). Staff reads are not agents' reads: nothing here."""
+        if self.agent is not None:
+            AgentRead.objects.create(agent_id=self.agent.id, key_prefix=self.key.prefix if self.key else "",
+                                     operation=operation, payment_id=payment_id[:40], refund_id=refund_id[:40])
 
     def verdict_fields(self) -> dict[str, str]:
         return {

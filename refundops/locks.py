@@ -6,9 +6,11 @@ from __future__ import annotations
 from refundops.models import Payment, PlatformState, Refund
 
 
-def lock_payment(payment_id: str) -> Payment | None:
-    return (Payment.objects.select_for_update(of=("self",)).select_related("customer")
-            .filter(pk=payment_id).first())
+def lock_payment(payment_id: str, *, merchant_id: str | None = None) -> Payment | None:
+    """The payment, locked; None when there is none, or it is not ``merchant_id``'s (an agent
+    must not tell the two apart, and must not lock another merchant's row)."""
+    payments = Payment.objects.select_for_update(of=("self",)).select_related("customer").filter(pk=payment_id)
+    return (payments.filter(merchant_id=merchant_id) if merchant_id else payments).first()
 
 
 def lock_refund(refund_id: str) -> Refund:

@@ -132,7 +132,7 @@ def _split(arguments: dict[str, Any], *path: str, key_required: bool = True
 def _lookup_payment(caller: Caller, arguments: dict[str, Any]) -> Answer:
     reject_unknown(arguments, ("transaction_id",))
     txn_id = text(arguments, "transaction_id", required=True, max_length=40)
-    return Answer(200, payments.lookup_payment(txn_id=txn_id))
+    return Answer(200, payments.lookup_payment(txn_id=txn_id, caller=caller))
 
 
 def _check_refund_eligibility(caller: Caller, arguments: dict[str, Any]) -> Answer:
@@ -148,7 +148,7 @@ def _create_refund(caller: Caller, arguments: dict[str, Any]) -> Answer:
 def _get_refund(caller: Caller, arguments: dict[str, Any]) -> Answer:
     reject_unknown(arguments, ("refund_id",))
     refund_id = text(arguments, "refund_id", required=True, max_length=40)
-    return Answer(200, refunds.refund_detail(refund_id=refund_id))
+    return Answer(200, refunds.refund_detail(refund_id=refund_id, caller=caller))
 
 
 def _void_authorization(caller: Caller, arguments: dict[str, Any]) -> Answer:

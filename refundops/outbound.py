@@ -23,7 +23,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Subquery
 from django.utils import timezone
 
 from audit.ids import new_id
@@ -31,7 +31,7 @@ from audit.services import record_audit
 from processors import signing
 from refundops import logs, merchant_http, outbox
 from refundops.answers import refund_json
-from refundops.models import MerchantEndpoint, Refund, WebhookDelivery
+from refundops.models import MerchantEndpoint, Payment, Refund, WebhookDelivery
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,10 @@ def announce_refund(refund: Refund, *, previous: str | None) -> list[WebhookDeli
     """Queue the event for the state ``refund`` was just saved in, having left ``previous`` (None:
     a new refund). Call it in the transaction that saved the change, once per state moved into."""
     event_type = f"refund.{refund.status}"
-    endpoints = [e for e in MerchantEndpoint.objects.filter(active=True) if e.wants(event_type)]
+    # The payment's merchant's endpoints only, in the same query (a subquery, not another statement).
+    merchant = Payment.objects.filter(pk=refund.payment_id).values("merchant_id")[:1]
+    endpoints = [e for e in MerchantEndpoint.objects.filter(active=True, merchant_id=Subquery(merchant))
+                 if e.wants(event_type)]
     if not endpoints:
         return []
     now = timezone.now()

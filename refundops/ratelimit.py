@@ -24,6 +24,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import redis
 from django.conf import settings
@@ -83,10 +84,12 @@ def check_rate_limits(*, caller: Caller, session_id: str | None = None, moves_mo
     Staff callers are not rate limited. Used by the DRF throttle below and by the MCP server."""
     if caller.agent is None:
         return
+    now = time.time() if now is None else now
+    if moves_money:  # no session named: the key's session for this hour
+        session_id = caller.session_id_for(session_id or "", datetime.fromtimestamp(now, UTC))
     scopes = scopes_for(agent_id=caller.agent.id, session_id=session_id)
     if not scopes:
         return
-    now = time.time() if now is None else now
     window = setting("RATE_LIMIT_WINDOW_SECONDS")
     try:
         over = _count(scopes, now=now, window=window)

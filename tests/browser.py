@@ -96,6 +96,7 @@ def populate() -> World:
                                                   message="Please pay $amount for $order_reference: $url")
     PaymentLink.objects.create(template=template, payment=make_payment(amount_owed_minor=1_200), amount_minor=1_200,
                                currency="USD", url="https://pay.example/l/1", verdict=verdict, agent=key.agent)
+    caller.record_read("payment.lookup", payment_id=approved_payment.pk)  # an AgentRead row
     payouts.submit_refund(refund_id=approved["id"])  # to the sandbox gateway: a SandboxRefund row
     endpoint = MerchantEndpoint.objects.create(url="https://merchant.example/hooks", event_types=["refund.settled"])
     WebhookDelivery.objects.create(endpoint=endpoint, event_id="evt_demo", event_type="refund.settled",

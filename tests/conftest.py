@@ -18,7 +18,17 @@ from rest_framework.test import APIClient
 from processors import sandbox
 from processors.money import Money
 from refundops.access import generate_key
-from refundops.models import Agent, AgentKey, Capability, Customer, HoldRules, Payment, RefundLimits
+from refundops.models import (
+    DEFAULT_MERCHANT_ID,
+    Agent,
+    AgentKey,
+    Capability,
+    Customer,
+    HoldRules,
+    Merchant,
+    Payment,
+    RefundLimits,
+)
 
 pytest_plugins = ["tests.fakes.fixtures"]  # fake gateways and a real Celery worker, for any test
 
@@ -56,6 +66,14 @@ def _real_services(request):
     """Refuse to pass on SQLite: row locks and constraints are what the tests prove."""
     if "django_db_setup" in request.fixturenames or request.node.get_closest_marker("django_db"):
         assert connection.vendor == "postgresql", "set DATABASE_URL to PostgreSQL (scripts/test does)"
+
+
+@pytest.fixture(autouse=True)
+def _default_merchant(request):
+    """The migration makes the default merchant; a transactional test's flush deletes it again."""
+    if "django_db_setup" in request.fixturenames or request.node.get_closest_marker("django_db"):
+        request.getfixturevalue("_django_db_helper")
+        Merchant.objects.get_or_create(pk=DEFAULT_MERCHANT_ID, defaults={"name": "Default merchant"})
 
 
 @pytest.fixture(autouse=True)
@@ -150,9 +168,11 @@ def make_staff(username: str, *, authority_minor: int = 10**12, currencies=("USD
     return user
 
 
-def make_agent_key(*capabilities: str, name: str | None = None) -> tuple[AgentKey, str]:
+def make_agent_key(*capabilities: str, name: str | None = None,
+                   merchant: Merchant | None = None) -> tuple[AgentKey, str]:
     agent = Agent.objects.create(name=name or f"agent-{uuid.uuid4().hex[:8]}",
-                                 capabilities=list(capabilities or Capability.values))
+                                 capabilities=list(capabilities or Capability.values),
+                                 merchant_id=merchant.pk if merchant else DEFAULT_MERCHANT_ID)
     raw, prefix, digest = generate_key()
     return AgentKey.objects.create(agent=agent, prefix=prefix, key_hash=digest), raw
 

@@ -9,6 +9,8 @@ from django.utils import timezone
 
 from audit.admin import HistoryAdmin, ReadOnlyAdmin, ReadOnlyHistoryAdmin
 from refundops.models import (
+    AgentRead,
+    Merchant,
     Agent,
     AgentKey,
     Capability,
@@ -47,11 +49,12 @@ class AgentAdmin(ProposeChangeMixin, HistoryAdmin):
     proposal_kind = Proposal.Kind.AGENT_CAPABILITIES
     form = AgentCapabilitiesForm
     ordering = ["name"]
-    list_display = ["name", "id", "owner", "capability_list", "is_active", "live_keys", "created_at"]
-    list_filter = ["is_active"]
+    list_display = ["name", "id", "merchant", "owner", "capability_list", "is_active", "live_keys", "created_at"]
+    list_filter = ["is_active", "merchant"]
+    list_select_related = ["merchant"]
     search_fields = ["name", "id", "owner"]
-    fields = ["id", "name", "owner", "capabilities", "is_active", "created_at"]
-    readonly_fields = ["id", "name", "owner", "is_active", "created_at"]
+    fields = ["id", "name", "merchant", "owner", "capabilities", "is_active", "created_at"]
+    readonly_fields = ["id", "name", "merchant", "owner", "is_active", "created_at"]
     inlines = [AgentKeyInline]
 
     def has_add_permission(self, request, obj=None) -> bool:
@@ -168,3 +171,27 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
     search_fields = ["key", "scope"]
     date_hierarchy = "created_at"
     show_full_result_count = False
+
+
+@admin.register(Merchant)
+class MerchantAdmin(HistoryAdmin):
+    """Who owns payments, customers, agents and endpoints. Finance decides here whether refunds by
+    the merchant's agents must name ``agent.session_id`` (history keeps who changed it)."""
+
+    list_display = ["name", "id", "require_session_id", "created_at"]
+    search_fields = ["name", "id"]
+    fields = ["id", "name", "require_session_id", "created_at"]
+    readonly_fields = ["id", "created_at"]
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False  # payments, agents and endpoints point at it
+
+
+@admin.register(AgentRead)
+class AgentReadAdmin(ReadOnlyAdmin):
+    """Who looked at which payment or refund, and with which key."""
+
+    list_display = ["read_at", "agent_id", "key_prefix", "operation", "payment_id", "refund_id"]
+    list_filter = ["operation"]
+    search_fields = ["=agent_id", "=payment_id", "=refund_id", "=key_prefix"]
+    date_hierarchy = "read_at"

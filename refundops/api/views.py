@@ -72,7 +72,7 @@ class PaymentDetailView(AgentView):
     @extend_schema(operation_id="lookup_payment", summary="Look up a payment",
                    responses={200: schema.PaymentOut, **schema.errors(*KEY_CHECKS, "PAYMENT_NOT_FOUND")})
     def get(self, request, txn_id: str):
-        return Response(payments.lookup_payment(txn_id=txn_id))
+        return Response(payments.lookup_payment(txn_id=txn_id, caller=self.caller(request)))
 
 
 class RefundCreateView(AgentView):
@@ -109,7 +109,7 @@ class RefundDetailView(AgentView):
     @extend_schema(operation_id="get_refund", summary="A refund's state, verdict and estimated arrival",
                    responses={200: schema.RefundDetailOut, **schema.errors(*KEY_CHECKS, "REFUND_NOT_FOUND")})
     def get(self, request, rf_id: str):
-        return Response(refunds.refund_detail(refund_id=rf_id))
+        return Response(refunds.refund_detail(refund_id=rf_id, caller=self.caller(request)))
 
 
 class VoidView(AgentView):

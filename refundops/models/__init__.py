@@ -4,6 +4,7 @@ hold rules, the platform's switches), links (payment links, disputes) and webhoo
 endpoints and deliveries). Everything is importable from ``refundops.models``."""
 
 from refundops.models.agents import Agent, AgentKey, Capability, new_agent_id
+from refundops.models.merchants import DEFAULT_MERCHANT_ID, AgentRead, Merchant, new_merchant_id
 from refundops.models.attempts import GatewayAttempt, new_gateway_attempt_id
 from refundops.models.controls import HoldRules, PlatformState, RefundLimits
 from refundops.models.links import (
@@ -39,6 +40,7 @@ from refundops.models.refunds import (
 from refundops.models.webhooks import MerchantEndpoint, WebhookDelivery, new_delivery_id, new_endpoint_id, new_webhook_secret
 
 __all__ = [
+    "DEFAULT_MERCHANT_ID", "AgentRead", "Merchant", "new_merchant_id",
     "COUNTING_STATES", "RESERVING_STATES", "Agent", "AgentKey", "Capability", "Customer", "Dispute",
     "DisputeEvidenceDraft", "GatewayAttempt", "GatewayCustomer", "HoldRules", "LedgerDiscrepancy", "IdempotencyRecord", "MerchantEndpoint", "OutboxMessage", "Payment",
     "PaymentLink", "PaymentLinkTemplate", "PaymentOperation", "PlatformState", "Reason", "Refund", "RefundLimits",

@@ -6,6 +6,7 @@ from django.db import models
 from simple_history.models import HistoricalRecords
 
 from audit.ids import new_id
+from refundops.models.merchants import DEFAULT_MERCHANT_ID
 
 
 def new_agent_id() -> str:
@@ -26,6 +27,8 @@ class Agent(models.Model):
 
     id = models.CharField(primary_key=True, max_length=40, default=new_agent_id, editable=False)
     name = models.CharField(max_length=100, unique=True)
+    merchant = models.ForeignKey("refundops.Merchant", on_delete=models.PROTECT, default=DEFAULT_MERCHANT_ID,
+                                 related_name="agents")
     owner = models.CharField(max_length=200, blank=True, help_text="Team or person responsible")
     capabilities = models.JSONField(default=list, blank=True)
     is_active = models.BooleanField(default=True)

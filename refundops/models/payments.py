@@ -8,6 +8,7 @@ from django.db.models import Q
 from simple_history.models import HistoricalRecords
 
 from audit.ids import new_id
+from refundops.models.merchants import DEFAULT_MERCHANT_ID
 from processors.money import CURRENCY_CHOICES, Money
 
 
@@ -25,6 +26,8 @@ def new_payment_operation_id() -> str:
 
 class Customer(models.Model):
     id = models.CharField(primary_key=True, max_length=40, default=new_customer_id, editable=False)
+    merchant = models.ForeignKey("refundops.Merchant", on_delete=models.PROTECT, default=DEFAULT_MERCHANT_ID,
+                                 related_name="customers")
     name = models.CharField(max_length=200, blank=True)
     email = models.EmailField()
     email_changed_at = models.DateTimeField(null=True, blank=True)
@@ -58,6 +61,8 @@ class Payment(models.Model):
 
     id = models.CharField(primary_key=True, max_length=40, default=new_payment_id, editable=False)
     customer = models.ForeignKey(Customer, on_delete=models.PROTECT, related_name="payments")
+    merchant = models.ForeignKey("refundops.Merchant", on_delete=models.PROTECT, default=DEFAULT_MERCHANT_ID,
+                                 related_name="payments")
     processor = models.CharField(max_length=20, choices=Processor.choices)
     processor_account = models.CharField(max_length=40, default="default")
     processor_reference = models.CharField(max_length=100)

@@ -6,6 +6,7 @@ from django.db import models
 from simple_history.models import HistoricalRecords
 
 from audit.ids import new_id
+from refundops.models.merchants import DEFAULT_MERCHANT_ID
 
 
 def new_endpoint_id() -> str:
@@ -25,6 +26,8 @@ class MerchantEndpoint(models.Model):
 
     id = models.CharField(primary_key=True, max_length=40, default=new_endpoint_id, editable=False)
     url = models.URLField(max_length=500)
+    merchant = models.ForeignKey("refundops.Merchant", on_delete=models.PROTECT, default=DEFAULT_MERCHANT_ID,
+                                 related_name="endpoints")
     secret = models.CharField(max_length=100, default=new_webhook_secret,
                               help_text="Shared secret the merchant verifies signatures with")
     active = models.BooleanField(default=True)

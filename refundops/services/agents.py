@@ -19,7 +19,7 @@ from django.utils import timezone
 from audit.services import record_audit
 from refundops.access import KEY_PREFIX_LENGTH, generate_key
 from refundops.locks import lock_platform
-from refundops.models import Agent, AgentKey, Capability, PlatformState
+from refundops.models import DEFAULT_MERCHANT_ID, Agent, AgentKey, Capability, Merchant, PlatformState
 
 # A staff user (admin), or a label for who acted elsewhere, such as "cli:alice".
 Actor = AbstractBaseUser | str
@@ -68,7 +68,7 @@ def find_agent(agent_name_or_id: str, *, lock: bool = False) -> Agent:
 
 @transaction.atomic
 def create_agent(*, name: str, owner: str = "", capabilities: Iterable[str], actor: Actor,
-                 expires_at: datetime | None = None) -> tuple[Agent, str]:
+                 expires_at: datetime | None = None, merchant: str = "") -> tuple[Agent, str]:
     """A new agent and its first key. The raw key is returned once and stored only as a hash."""
     name = name.strip()
     if not name or len(name) > 100:
@@ -76,14 +76,20 @@ def create_agent(*, name: str, owner: str = "", capabilities: Iterable[str], act
     granted = validate_capabilities(capabilities)
     if not granted:
         raise AgentAccessError(f"Grant at least one capability: {', '.join(Capability.values)}.")
-    agent = Agent(name=name, owner=owner, capabilities=granted)
+    # ``merchant``: its id or name; the agent acts for that merchant only (default: the default one).
+    found = (Merchant.objects.filter(Q(pk=merchant) | Q(name=merchant)).first() if merchant
+             else Merchant.objects.filter(pk=DEFAULT_MERCHANT_ID).first())
+    if found is None:
+        raise AgentAccessError(f"No merchant {merchant or DEFAULT_MERCHANT_ID!r}.")
+    agent = Agent(name=name, owner=owner, capabilities=granted, merchant=found)
     try:
         with transaction.atomic():
             history = _save_with_history(agent, actor=actor, reason="agent created")
     except IntegrityError:
         raise AgentAccessError(f"An agent named {name!r} already exists.") from None
     record_audit(actor=actor_label(actor), action="agent.created", subject_type="agent", subject_id=agent.pk,
-                 data={"name": name, "owner": owner, "capabilities": granted}, records=[history])
+                 data={"name": name, "owner": owner, "capabilities": granted, "merchant_id": found.pk},
+                 records=[history])
     raw = issue_key(agent=agent, expires_at=expires_at, actor=actor)
     return agent, raw
 

@@ -47,7 +47,10 @@ def draft_dispute_evidence(*, caller: Caller, dp_id: str, data: Any, idempotency
 
 
 def _decide(*, caller: Caller, dp_id: str, ask: EvidenceInput, base: dict[str, Any]) -> Answer:
-    dispute = Dispute.objects.select_for_update(of=("self",)).select_related("payment").filter(pk=dp_id).first()
+    disputes = Dispute.objects.select_for_update(of=("self",)).select_related("payment").filter(pk=dp_id)
+    if caller.merchant_id:  # another merchant's dispute is as absent as one that does not exist
+        disputes = disputes.filter(payment__merchant_id=caller.merchant_id)
+    dispute = disputes.first()
     if dispute is None:
         return refuse(base, "DISPUTE_NOT_FOUND", f"No dispute {dp_id!r}; dispute ids start with 'dp_'.")
     base = {**base, "payment_id": dispute.payment_id, "amount_minor": dispute.amount_minor,

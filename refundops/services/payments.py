@@ -157,9 +157,14 @@ def gateway_failure(exc: ProcessorError | UnknownProcessor) -> tuple[str, str, s
 
 # -- lookups -----------------------------------------------------------------------------------------
 
-def lookup_payment(*, txn_id: str) -> dict[str, Any]:
-    """``GET payments/{txn_id}``: what ``payments.read`` may see."""
-    payment = Payment.objects.filter(pk=txn_id).first() if could_be_id(txn_id) else None
+def lookup_payment(*, txn_id: str, caller: Caller) -> dict[str, Any]:
+    """``GET payments/{txn_id}``: what ``payments.read`` may see, of the caller's merchant only.
+    An agent's read is recorded (who looked at which payment)."""
+    payments = Payment.objects.filter(pk=txn_id)
+    if caller.merchant_id:
+        payments = payments.filter(merchant_id=caller.merchant_id)
+    payment = payments.first() if could_be_id(txn_id) else None
+    caller.record_read("payment.lookup", payment_id=payment.pk if payment else "")
     if payment is None:
         raise ApiError("PAYMENT_NOT_FOUND", f"No payment {txn_id[:40]!r}; payment ids start with 'txn_'.")
     return payment_json(payment)
@@ -249,7 +254,7 @@ def _check_capture(payment: Payment, ask: OperationInput, *, why_not: str,
 
 def _decide_operation(*, caller: Caller, txn_id: str, ask: OperationInput, base: dict[str, Any],
                       kind: str) -> tuple[Answer, FollowUp | None]:
-    payment = lock_payment(txn_id)
+    payment = lock_payment(txn_id, merchant_id=caller.merchant_id)
     if payment is None:
         return refuse(base, "PAYMENT_NOT_FOUND", f"No payment {txn_id!r}; payment ids start with 'txn_'.",
                       payment_id=txn_id), None
@@ -491,11 +496,13 @@ def send_payment_link(*, caller: Caller, data: Any, idempotency_key: str) -> Ans
                              decide=lambda ask, base: _decide_link(caller=caller, ask=ask, base=base))
 
 
-def _find_payment_for_link(ask: LinkInput) -> Payment | None:
+def _find_payment_for_link(ask: LinkInput, *, merchant_id: str | None) -> Payment | None:
     if ask.transaction_id:
-        return lock_payment(ask.transaction_id)
-    # An order may have several payments: the one that still has money owed on it.
-    candidate = (Payment.objects.filter(order_reference=ask.order_reference)
+        return lock_payment(ask.transaction_id, merchant_id=merchant_id)
+    # An order may have several payments: the one that still has money owed on it. Another
+    # merchant's order is as absent as one that does not exist.
+    orders = Payment.objects.filter(order_reference=ask.order_reference)
+    candidate = ((orders.filter(merchant_id=merchant_id) if merchant_id else orders)
                  .order_by("-amount_owed_minor", "-created_at").values_list("pk", flat=True).first())
     return lock_payment(candidate) if candidate else None
 
@@ -507,7 +514,7 @@ def outstanding_links_minor(payment: Payment) -> int:
 
 
 def _decide_link(*, caller: Caller, ask: LinkInput, base: dict[str, Any]) -> tuple[Answer, FollowUp | None]:
-    payment = _find_payment_for_link(ask)
+    payment = _find_payment_for_link(ask, merchant_id=caller.merchant_id)
     if payment is None:
         named = (f"payment {ask.transaction_id!r}" if ask.transaction_id
                  else f"payment for order {ask.order_reference!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from datetime import date, datetime, timedelta
 from typing import Any
@@ -52,6 +53,7 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
         return error_answer("VALIDATION_ERROR", message, verdict_id=verdict.id, field="body")
     try:
         ask = parse_refund(data)
+        ask = _with_session(caller, ask, timezone.now())
     except ValidationFailed as failed:
         verdict = Verdict.objects.create(**base, outcome=Verdict.Outcome.DENIED, code="VALIDATION_ERROR",
                                          message=failed.message)
@@ -70,8 +72,9 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
             replay = idempotency.claim(scope, idempotency_key, operation, digest)
             if replay.record is not None:
                 return _replay(base, replay)
-        payment = lock_payment(ask.transaction_id) if not dry_run else (
-            Payment.objects.select_related("customer").filter(pk=ask.transaction_id).first())
+        payment = lock_payment(ask.transaction_id, merchant_id=caller.merchant_id) if not dry_run else (
+            Payment.objects.select_related("customer").filter(pk=ask.transaction_id).filter(
+                **({"merchant_id": caller.merchant_id} if caller.merchant_id else {})).first())
         if payment is None:
             message = (f"No payment {ask.transaction_id!r}. Check the transaction id (it starts with "
                        f"'txn_') with the customer's order.")
@@ -84,6 +87,17 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
         if not dry_run:
             idempotency.store(scope, idempotency_key, answer.status, answer.body)
     return answer
+
+
+def _with_session(caller: Caller, ask: RefundInput, now: datetime) -> RefundInput:
+    """The session the limits count: required by the agent's merchant, or the key's hour's."""
+    if caller.agent is None or ask.agent.session_id:
+        return ask
+    if caller.agent.merchant.require_session_id:
+        raise ValidationFailed("agent.session_id", "is required: this merchant's finance team asks every "
+                                                   "refund to name the agent's session (your conversation id)")
+    session = caller.session_id_for("", now)
+    return dataclasses.replace(ask, agent=dataclasses.replace(ask.agent, session_id=session))
 
 
 def _replay(base: dict[str, Any], replay: idempotency.Replay) -> Answer:
@@ -313,10 +327,15 @@ def _check_answer(payment: Payment, decision: Decision, verdict: Verdict, totals
                         "context": context})
 
 
-def refund_detail(*, refund_id: str) -> dict[str, Any]:
-    """``GET refunds/{id}``: state, amounts, verdict, estimated arrival, a message the agent can say."""
-    refund = (Refund.objects.select_related("payment", "verdict").filter(pk=refund_id).first()
-              if could_be_id(refund_id) else None)
+def refund_detail(*, refund_id: str, caller: Caller) -> dict[str, Any]:
+    """``GET refunds/{id}``: state, amounts, verdict, estimated arrival, a message the agent can say.
+    Only refunds of the caller's merchant's payments (staff ones too); an agent's read is recorded."""
+    refunds = Refund.objects.select_related("payment", "verdict").filter(pk=refund_id)
+    if caller.merchant_id:
+        refunds = refunds.filter(payment__merchant_id=caller.merchant_id)
+    refund = refunds.first() if could_be_id(refund_id) else None
+    caller.record_read("refund.get", refund_id=refund.pk if refund else "",
+                payment_id=refund.payment_id if refund else "")
     if refund is None:
         raise ApiError("REFUND_NOT_FOUND", f"No refund {refund_id[:40]!r}; refund ids start with 'rf_'.")
     body = refund_json(refund)
