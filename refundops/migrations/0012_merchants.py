@@ -15,7 +15,7 @@ def default_merchant(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('refundops', '0010_outbox_message'),
+        ('refundops', '0011_payment_operation_unknown'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
