@@ -15,7 +15,7 @@ def default_merchant(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('refundops', '0011_payment_operation_unknown'),
+        ('refundops', '0012_limits_cumulative_window'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
