@@ -97,7 +97,7 @@ class PlatformCollector:
     def collect(self):
         from audit.models import Verdict
         from refundops import breaker as agent_breaker
-        from refundops.models import PlatformState, Refund, RefundState, WebhookDelivery
+        from refundops.models import OutboxMessage, PlatformState, Refund, RefundState, WebhookDelivery
 
         now = timezone.now()
         verdicts = CounterMetricFamily("refundops_verdicts", "Verdicts given, by outcome and contract code",
@@ -133,6 +133,13 @@ class PlatformCollector:
         for row in WebhookDelivery.objects.values("status").annotate(n=Count("id")).order_by():
             deliveries.add_metric([row["status"]], row["n"])
         yield deliveries
+
+        unsent = OutboxMessage.objects.filter(sent_at__isnull=True).aggregate(n=Count("id"), at=Min("created_at"))
+        yield GaugeMetricFamily("refundops_outbox_unsent", "Effects committed but not yet handed to the broker "
+                                "(grows while the broker is away)", value=unsent["n"])
+        yield GaugeMetricFamily("refundops_outbox_oldest_unsent_age_seconds", "Age of the oldest effect not yet "
+                                "handed to the broker (0: none)",
+                                value=(now - unsent["at"]).total_seconds() if unsent["at"] else 0)
 
         state = PlatformState.current()
         yield GaugeMetricFamily("refundops_refunds_paused", "Kill switch: agent refunds paused",

@@ -64,7 +64,7 @@ def send_each_after_commit(task: str, each_kwargs: list[dict[str, Any]], *, queu
 def _nudge(message_ids: list[int]) -> None:
     """Right after the commit: send these rows. Whatever goes wrong is the relay's to retry."""
     try:
-        send_claimed(_claim(ids=message_ids, now=timezone.now()))
+        send_claimed(_claim(ids=message_ids, now=timezone.now()), retry=False)  # the caller waits: one try
     except Exception:  # noqa: BLE001 - the caller's change stands; the relay sends it later
         log.exception("outbox: could not send %s after commit; the relay will", message_ids)
 
@@ -76,6 +76,14 @@ def relay_unsent(*, older_than_seconds: float | None = None, limit: int = 500) -
         older_than_seconds = settings.OUTBOX_GRACE_SECONDS
     now = timezone.now()
     return send_claimed(_claim(now=now, written_before=now - timedelta(seconds=older_than_seconds), limit=limit))
+
+
+def forget_sent(*, older_than_days: float | None = None) -> int:
+    """Delete rows sent more than ``OUTBOX_KEEP_SENT_DAYS`` ago; unsent rows are never deleted."""
+    if older_than_days is None:
+        older_than_days = settings.OUTBOX_KEEP_SENT_DAYS
+    cutoff = timezone.now() - timedelta(days=older_than_days)
+    return OutboxMessage.objects.filter(sent_at__lt=cutoff).delete()[0]
 
 
 def _claim(*, now, ids: Iterable[int] | None = None, written_before=None, limit: int = 1) -> list[tuple]:
@@ -91,14 +99,15 @@ def _claim(*, now, ids: Iterable[int] | None = None, written_before=None, limit:
         return cursor.fetchall()
 
 
-def send_claimed(rows: list[tuple]) -> int:
-    """Publish each claimed row on its own: one that fails never keeps the others from going."""
+def send_claimed(rows: list[tuple], *, retry: bool = True) -> int:
+    """Publish each claimed row on its own: one that fails never keeps the others from going.
+    ``retry``: let kombu retry a broken connection (the relay may; a request's nudge does not)."""
     sent: list[int] = []
     for message_id, task, kwargs, queue in rows:
         try:
             if isinstance(kwargs, str):  # Django reads jsonb as text on a raw cursor
                 kwargs = json.loads(kwargs)
-            current_app.tasks[task].apply_async(kwargs=kwargs, queue=queue or None)
+            current_app.tasks[task].apply_async(kwargs=kwargs, queue=queue or None, retry=retry)
         except Exception as exc:  # noqa: BLE001 - a broker error, or a task this process lacks
             log.warning("outbox: sending %s (%s) failed: %s", task, message_id, exc)
             # Free for the relay's next sweep (the sweep interval is the backoff).

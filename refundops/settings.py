@@ -125,8 +125,11 @@ REDIS_KEY_PREFIX = env("REDIS_KEY_PREFIX", default="")
 CELERY_VISIBILITY_TIMEOUT_SECONDS = env.int("CELERY_VISIBILITY_TIMEOUT_SECONDS", default=3600)
 if REDIS_URL:
     CELERY_BROKER_URL = REDIS_URL
+    # A broker that does not answer (no refusal, silence) costs a request at most this long per
+    # outbox nudge, not the system's TCP timeout of minutes: the outbox keeps the effect anyway.
     CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": REDIS_KEY_PREFIX,
-                                       "visibility_timeout": CELERY_VISIBILITY_TIMEOUT_SECONDS}
+                                       "visibility_timeout": CELERY_VISIBILITY_TIMEOUT_SECONDS,
+                                       "socket_connect_timeout": 2}
 else:
     CELERY_BROKER_URL = "filesystem://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
@@ -152,6 +155,7 @@ CELERY_TASK_DEFAULT_QUEUE = "default"
 # broker was down, or the process died) is sent by beat's relay, which runs this often.
 OUTBOX_GRACE_SECONDS = env.int("OUTBOX_GRACE_SECONDS", default=10)
 OUTBOX_SWEEP_SECONDS = env.int("OUTBOX_SWEEP_SECONDS", default=15)
+OUTBOX_KEEP_SENT_DAYS = env.int("OUTBOX_KEEP_SENT_DAYS", default=7)  # then the relay deletes sent rows
 CELERY_BEAT_SCHEDULE = {
     "relay-outbox": {"task": "refundops.tasks.relay_outbox", "schedule": timedelta(seconds=OUTBOX_SWEEP_SECONDS)},
     "deliver-overdue-webhooks": {"task": "refundops.tasks.deliver_overdue_webhooks", "schedule": timedelta(minutes=1)},

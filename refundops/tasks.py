@@ -148,8 +148,11 @@ def deliver_overdue_webhooks() -> int:
 @shared_task
 def relay_outbox() -> int:
     """Send what the outbox still holds ``OUTBOX_GRACE_SECONDS`` after it was written: effects
-    whose send failed at commit (the broker was down) or whose process died before sending."""
-    return outbox.relay_unsent()
+    whose send failed at commit (the broker was down) or whose process died before sending; and
+    forget rows sent more than ``OUTBOX_KEEP_SENT_DAYS`` ago."""
+    sent = outbox.relay_unsent()
+    outbox.forget_sent()
+    return sent
 
 
 @shared_task(bind=True, max_retries=10)

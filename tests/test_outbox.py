@@ -34,6 +34,7 @@ from refundops.models import (
 from refundops.tasks import deliver_overdue_webhooks, relay_outbox
 from tests.conftest import make_payment, post, race
 from tests.fakes.fixtures import wait_for
+from tests.test_health_and_metrics import TOKEN, metrics, sample
 from tests.test_webhooks_out import MerchantReceiver
 
 pytestmark = pytest.mark.django_db(transaction=True)  # real commits: the outbox acts on them
@@ -82,9 +83,14 @@ def test_a_broker_outage_at_commit_answers_201_and_the_relay_sends_the_submissio
     assert submission.kwargs == {"refund_id": refund.pk} and submission.queue == "payments.sandbox"
     assert submission.sent_at is None and submission.tries == 1 and submission.last_error
     assert not OutboxMessage.objects.filter(sent_at__isnull=False).exists()  # the breaker's count waits too
+    settings.METRICS_TOKEN = TOKEN
+    _, body = metrics(HTTP_AUTHORIZATION=f"Bearer {TOKEN}")  # what operators alert on
+    assert sample(body, "refundops_outbox_unsent") == 2
+    assert sample(body, "refundops_outbox_oldest_unsent_age_seconds") > 0
 
     settings.OUTBOX_GRACE_SECONDS = 0
     assert relay_outbox() == 2  # beat's sweep, with the broker back (the worker fixture's Redis)
+    assert sample(metrics(HTTP_AUTHORIZATION=f"Bearer {TOKEN}")[1], "refundops_outbox_unsent") == 0
 
     wait_for(lambda: Refund.objects.get(pk=refund.pk).status == RefundState.SETTLED, what="settled")
     submission.refresh_from_db()
@@ -152,6 +158,18 @@ def test_the_nudge_and_two_relays_racing_send_each_row_once(settings):
     assert sorted(m["kwargs"]["refund_id"] for m in messages) == sorted(f"rf_{i}" for i in range(n))
     assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
     assert set(OutboxMessage.objects.values_list("tries", flat=True)) == {1}  # each claimed once
+
+
+def test_the_relay_forgets_rows_sent_long_ago_and_never_an_unsent_one(settings):
+    settings.OUTBOX_KEEP_SENT_DAYS = 7
+    now = timezone.now()
+    old_sent, recent_sent, old_unsent = (
+        OutboxMessage.objects.create(task="refundops.tasks.poll_refund", kwargs={"refund_id": name},
+                                     created_at=now - timedelta(days=days), sent_at=sent, next_try_at=now + timedelta(hours=1))
+        for name, days, sent in (("old", 8, now - timedelta(days=8)), ("recent", 6, now - timedelta(days=6)),
+                                 ("unsent", 30, None)))
+    relay_outbox()
+    assert set(OutboxMessage.objects.values_list("pk", flat=True)) == {recent_sent.pk, old_unsent.pk}
 
 
 # -- merchant webhooks: written with the change, sent through the outbox, swept when lost ---------
