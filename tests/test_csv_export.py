@@ -31,6 +31,8 @@ from tests.conftest import make_agent_key, make_limits, make_payment, make_rules
 
 pytestmark = pytest.mark.django_db
 
+A_PASSWORD = "correct horse battery staple 42"
+
 
 def signed_in(role: str, username: str = "") -> Client:
     username = username or f"as-{role.replace(' ', '-')}"
@@ -212,3 +214,29 @@ def test_under_the_asgi_server_the_export_streams_too():
     assert sent["status"] == 200 and sent["headers"]["Content-Type"] == "text/csv; charset=utf-8"
     assert sent["lines"] == 100_001 and sent["chunks"] > 50
     assert peak < 12 * 2**20, f"peak {peak / 2**20:.1f} MiB for a {sent['bytes'] / 2**20:.1f} MiB export"
+
+
+def test_no_export_carries_a_secret_a_password_hash_a_totp_key_or_a_signing_secret():
+    """The admin never shows these (a password as a masked summary, a TOTP key not at all, an
+    endpoint's secret as a hint), and the export of the same list must not either, to anyone."""
+    from django.contrib import admin
+    from django_otp.plugins.otp_totp.models import TOTPDevice
+
+    from refundops.models import MerchantEndpoint
+
+    root = User.objects.create_superuser("root", password=A_PASSWORD)
+    device = TOTPDevice.objects.create(user=root, name="phone", confirmed=True)
+    endpoint = MerchantEndpoint.objects.create(url="https://merchant.example/hooks", secret="whsec_" + "s3cr3t" * 6)
+    agent_key, _ = make_agent_key()
+    secrets = [root.password, device.key, endpoint.secret, agent_key.key_hash]
+    superuser = Client()
+    superuser.force_login(root)
+    for client in (signed_in("auditor"), superuser):
+        for model in admin.site._registry:
+            opts = model._meta
+            response = client.get(f"/admin/{opts.app_label}/{opts.model_name}/export.csv")
+            body = b"".join(response.streaming_content).decode()
+            header = body.splitlines()[0].split(",")
+            secret_columns = {"password", "secret", "key_hash"} | ({"key"} if opts.label == "otp_totp.TOTPDevice" else set())
+            assert not secret_columns & set(header), (opts.label, header)
+            assert not [s for s in secrets if s in body], opts.label
