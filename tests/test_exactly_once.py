@@ -305,3 +305,29 @@ def test_a_poll_that_cannot_reach_the_gateway_or_is_refused_leaves_the_refund_su
     assert tasks.poll_refund(refund_id=refund.pk) == S.SUBMITTED
     refund.refresh_from_db()
     assert refund.status == S.SUBMITTED
+
+
+@pytest.mark.django_db
+def test_the_gateways_news_of_a_refund_whose_answer_was_unknown_resolves_that_attempt(settings, stripe_fake):
+    """Found by bench/chaos.py: a timeout after Stripe acted leaves the attempt unknown; Stripe's
+    webhook then settles the refund. Nothing looks a finished refund's attempts up again, so the
+    news itself must resolve it, or it stays 'answer unknown' forever."""
+    from django.test import Client
+
+    from tests.fakes.fixtures import STRIPE_WEBHOOK_SECRET, post_stripe_event, stripe_event
+
+    settings.PROCESSORS = {"stripe": {"default": {**stripe_account(stripe_fake), "timeout": 0.5}}}
+    refund = approved_refund(stripe_payment(stripe_fake), 1_000)
+    stripe_fake.set_mode("slow_after", slow_seconds=1.5)
+    with pytest.raises(ProcessorUnavailable):
+        payouts.submit_refund(refund_id=refund.pk)
+    stripe_fake.set_mode("up")
+    [made] = stripe_fake.refunds.values()
+
+    answer = post_stripe_event(Client(), stripe_event("charge.refund.updated", dict(made)),
+                               secret=STRIPE_WEBHOOK_SECRET)
+
+    assert answer.status_code == 200
+    refund.refresh_from_db()
+    assert refund.status == S.SETTLED and refund.processor_refund_id == made["id"]
+    assert list(refund.attempts.values_list("outcome", "processor_refund_id")) == [(O.SUCCEEDED, made["id"])]

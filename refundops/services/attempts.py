@@ -98,6 +98,18 @@ def settle_unresolved(refund: Refund, outcome: str, *, processor_refund_id: str 
         outcome=outcome, finished_at=now, processor_refund_id=processor_refund_id, error_message=why)
 
 
+def resolve_by_news(refund: Refund, processor_refund_id: str) -> int:
+    """The gateway told us (webhook, sync, look-up) that the refund's current submission made
+    ``processor_refund_id``: its calls whose answer we never recorded made it. Without this, a call
+    that timed out after the gateway acted, or whose worker died, stays "unknown" (or "live" past
+    its lease) forever once the refund has moved on, since only approved refunds are looked up.
+    The refund's row lock is held by the caller."""
+    return refund.attempts.filter(outcome__in=(Outcome.LIVE, Outcome.UNKNOWN),
+                                  idempotency_key=idempotency_key(refund)).update(
+        outcome=Outcome.SUCCEEDED, finished_at=timezone.now(), processor_refund_id=processor_refund_id,
+        error_message="resolved by the gateway's news of this refund")
+
+
 def stalled_refund_ids(*, older_than_seconds: int, limit: int) -> list[str]:
     """Approved refunds that nothing is working on: no live lease, and no attempt (or the refund
     itself) touched within ``older_than_seconds``. Their task was lost, or gave up."""

@@ -244,6 +244,8 @@ def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gate
     elif refund.status in (RefundState.APPROVED, RefundState.SUBMITTED) and result.status == "canceled":
         refund.cancel(message="The gateway canceled the refund.")
         _save(refund, "gateway canceled the refund", previous=leaving)
+    if result.processor_refund_id and refund.processor_refund_id == result.processor_refund_id:
+        attempts.resolve_by_news(refund, result.processor_refund_id)
     if refund.status != before:
         sync_payment_amounts(refund.payment)
         gateway_response = {**asdict(result), "amount": asdict(result.amount)}
