@@ -400,11 +400,12 @@ class Harness:
 
         from refundops import tasks
 
-        relay = getattr(tasks, "relay_outbox", None)
-        self.report.outbox = relay is not None
+        # Beat's jobs that keep refunds and their webhooks moving, each where this checkout has it.
+        optional = [(every, getattr(tasks, name)) for every, name in
+                    ((2.0, "relay_outbox"), (2.0, "deliver_overdue_webhooks")) if hasattr(tasks, name)]
+        self.report.outbox = hasattr(tasks, "relay_outbox")
         jobs = [(2.0, lambda: tasks.resubmit_stalled_refunds(older_than_seconds=3)),
-                (4.0, lambda: tasks.sync_submitted_refunds(older_than_seconds=3)),
-                *(((2.0, relay),) if relay is not None else ())]
+                (5.0, lambda: tasks.sync_submitted_refunds(older_than_seconds=5)), *optional]
         due = [0.0] * len(jobs)
         while not self.stop.is_set():
             for i, (every, job) in enumerate(jobs):
@@ -745,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refunds", type=int, default=300, help="refund asks (several per payment, racing)")
     parser.add_argument("--faults", type=int, default=30, help="faults to inject while refunds are asked")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--workers", type=int, default=2, help="celery worker processes (4 threads each)")
+    parser.add_argument("--workers", type=int, default=3, help="celery worker processes (4 threads each)")
     parser.add_argument("--seconds", type=float, default=0, help="how long to ask and inject (default: refunds/8, at least 15)")
     parser.add_argument("--drain-seconds", type=float, default=90, help="deadline for everything to settle afterwards")
     parser.add_argument("--gateway-timeout", type=float, default=1.5, help="the Stripe client's timeout, seconds")
