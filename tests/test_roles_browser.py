@@ -183,3 +183,59 @@ def test_the_auditor_exports_the_held_refunds_as_filtered_on_screen(live_server,
     assert sorted(row["id"] for row in rows) == sorted([world.held.pk, world.held_big.pk])
     assert {row["status"] for row in rows} == {"held"}
     assert broken == []
+
+
+# The pages beyond each model's list, add and change pages: role -> what it may open (200; else 403).
+# "decide" is the Approve button on a held refund's page; exports are CSV downloads of a list.
+OWN_PAGES = {
+    "finance approver": {"held queue", "dashboard", "refund by hand", "order amount", "capture", "proposals",
+                         "decide", "export refunds", "export verdicts", "export audit log"},
+    "fraud analyst": {"held queue", "dashboard", "proposals", "export refunds", "export verdicts",
+                      "export audit log"},
+    "auditor": {"held queue", "dashboard", "proposals", "export refunds", "export verdicts", "export audit log",
+                "export agent keys", "export users"},
+    "operator": {"proposals", "export audit log", "export agent keys"},
+    "administrator": {"proposals", "export audit log", "export agent keys", "export users"},
+}
+
+
+@pytest.mark.parametrize("role", list(OWN_PAGES))
+def test_each_role_opens_exactly_its_own_custom_pages_and_exports(live_server, browser, role):
+    world = populate()
+    payment = world.held.payment
+    username = f"own-{role.replace(' ', '-')}"
+    User.objects.create_user(username, password="pw-role")
+    call_command("grant_role", username, role, stdout=open("/dev/null", "w"))
+    page, broken = log_in(browser, live_server.url, username, "pw-role")
+    pages = {
+        "held queue": reverse("admin:refundops_refund_held"),
+        "dashboard": reverse("admin:refundops_dashboard"),
+        "refund by hand": admin_url("admin:refundops_payment_refund", payment.pk),
+        "order amount": admin_url("admin:refundops_payment_order_amount", payment.pk),
+        "capture": admin_url("admin:refundops_payment_capture", payment.pk),
+        "proposals": reverse("admin:proposals_proposal_changelist"),
+    }
+    exports = {
+        "export refunds": reverse("admin:refundops_refund_export_csv") + "?status__exact=held",
+        "export verdicts": reverse("admin:audit_verdict_export_csv"),
+        "export audit log": reverse("admin:audit_auditentry_export_csv"),
+        "export agent keys": reverse("admin:refundops_agentkey_export_csv"),
+        "export users": reverse("admin:auth_user_export_csv"),
+    }
+    opened = set()
+    for what, url in pages.items():
+        status = page.goto(live_server.url + url).status
+        assert status in (200, 403), (what, status)
+        opened |= {what} if status == 200 else set()
+    for what, url in exports.items():
+        answer = page.request.get(live_server.url + url)
+        assert answer.status in (200, 403), (what, answer.status)
+        if answer.status == 200:
+            assert answer.headers["content-type"].startswith("text/csv"), what
+            opened.add(what)
+    if "view" in MAY[role].get("refundops.Refund", ""):
+        page.goto(live_server.url + admin_url("admin:refundops_refund_change", world.held.pk))
+        opened |= {"decide"} if page.get_by_role("button", name="Approve").count() else set()
+    shot(page, f"role-{role.replace(' ', '-')}-own-pages")
+    assert opened == OWN_PAGES[role]
+    assert broken == []
