@@ -42,6 +42,8 @@ if PRODUCTION and _weak_secret_key(env("DJANGO_SECRET_KEY", default="")):
 
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 SECRET_KEY = env("DJANGO_SECRET_KEY", default=DEV_SECRET_KEY)
+# The previous key(s) while rotating: sessions and signed values made with them stay valid.
+SECRET_KEY_FALLBACKS = env.list("DJANGO_SECRET_KEY_FALLBACKS", default=[])
 ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("DJANGO_CSRF_TRUSTED_ORIGINS", default=[])
 
@@ -117,6 +119,13 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Redis holds only what may be rebuilt: rate-limit windows, breaker state, the broker's queue.
 REDIS_URL = env("REDIS_URL", default="")
+# Embedded mode (SQLite, a filesystem broker, per-process rate limits) is for one machine trying the
+# product: production mode refuses it, so an image started without its environment says so.
+_missing_services = [name for name in ("DATABASE_URL", "REDIS_URL") if not env(name, default="")]
+if PRODUCTION and _missing_services:
+    raise ImproperlyConfigured(
+        f"REFUNDOPS_ENV=production needs {' and '.join(_missing_services)} (PostgreSQL and Redis); embedded mode "
+        "(SQLite and a filesystem broker) is for development only. docker-compose.yml sets both.")
 # Every key this install writes (ours and the broker's queues) starts with this prefix, so two
 # installs, or two test runs, can share one Redis without seeing each other's state or tasks.
 REDIS_KEY_PREFIX = env("REDIS_KEY_PREFIX", default="")
@@ -151,6 +160,9 @@ CELERY_WORKER_QUEUES = ["default", "payments.sandbox", "payments.stripe", "payme
 # still narrows a worker to one gateway.
 CELERY_TASK_QUEUES = [Queue(name, Exchange(name), routing_key=name) for name in CELERY_WORKER_QUEUES]
 CELERY_TASK_DEFAULT_QUEUE = "default"
+# Tasks a worker runs at once (the CPU count when unset); each holds one database connection while
+# it runs. Django closes it around every task, so the web's pool is not used in workers.
+CELERY_WORKER_CONCURRENCY = env.int("CELERY_WORKER_CONCURRENCY", default=None)
 # The transactional outbox (refundops/outbox.py): a row unsent this long after its commit (the
 # broker was down, or the process died) is sent by beat's relay, which runs this often.
 OUTBOX_GRACE_SECONDS = env.int("OUTBOX_GRACE_SECONDS", default=10)

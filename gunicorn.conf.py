@@ -1,0 +1,30 @@
+"""gunicorn for the web service (docker-compose.yml and the image's CMD):
+gunicorn refundops.asgi:application -c gunicorn.conf.py
+
+WEB_CONCURRENCY workers, each with its own database pool of DATABASE_POOL_MAX connections: keep
+WEB_CONCURRENCY x DATABASE_POOL_MAX (x web containers) under PostgreSQL's max_connections, with room
+for the workers (docs/OPERATIONS.md, "Connections add up")."""
+
+import os
+import shutil
+
+bind = os.environ.get("BIND", "0.0.0.0:8000")
+workers = int(os.environ.get("WEB_CONCURRENCY", "4"))
+worker_class = "uvicorn_worker.UvicornWorker"
+accesslog = None  # each request is logged once, as JSON with its request id, by the app
+graceful_timeout = 30
+
+
+def on_starting(server):
+    """/metrics sums every worker's request counters from files in PROMETHEUS_MULTIPROC_DIR: start empty."""
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory, exist_ok=True)
+
+
+def child_exit(server, worker):
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)
