@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# The contract's own table of codes (../shared/docs/CONTRACT.md): agents rely on each of these.
+# The contract's own table of codes (docs/CONTRACT.md): agents rely on each of these.
 CONTRACT_CODES = frozenset({
     "VALIDATION_ERROR", "IDEMPOTENCY_KEY_REQUIRED", "UNAUTHENTICATED", "CAPABILITY_NOT_GRANTED",
     "PAYMENT_NOT_FOUND", "IDEMPOTENCY_KEY_REUSED", "REFUND_WINDOW_EXPIRED", "MAX_REFUNDS_REACHED",
