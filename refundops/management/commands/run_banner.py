@@ -57,6 +57,8 @@ Try a refund:
        -H 'Content-Type: application/json' \\
        -H "Idempotency-Key: $(python3 -c 'import uuid; print(uuid.uuid4())')" \\
        -d '{{"transaction_id": "{example.pk}", "amount": {min(1000, example.refundable_minor)}, "reason": "customer_request"}}'""")
+            out.append(f"""Or let the example agent (MCP, a scripted conversation) do it:
+  .venv/bin/python examples/agent/agent.py --url {base_url} --key {key} --payment {example.pk}""")
         out.append(f"Logs: {settings.VAR_DIR}/web.log, {settings.VAR_DIR}/worker.log. Ctrl-C stops.")
         self.stdout.write("\n".join(out))
 
