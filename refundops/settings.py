@@ -246,7 +246,8 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "structured"}},
     "root": {"handlers": ["console"], "level": "WARNING"},
     "loggers": {
-        **{name: {"handlers": ["console"], "level": LOG_LEVEL, "propagate": False}
+        # Our loggers' level; their lines reach the root's one handler (and pytest's caplog).
+        **{name: {"level": LOG_LEVEL}
            for name in ("refundops", "processors", "approvals", "audit", "proposals", "roles", "celery")},
         "django.request": {"handlers": ["console"], "level": "ERROR", "propagate": False},
     },
