@@ -511,16 +511,24 @@ class Harness:
         from refundops.models import Refund, RefundState
         from refundops.services import attempts, payouts
 
-        candidates = list(Refund.objects.filter(status__in=(RefundState.APPROVED, RefundState.SUBMITTED))
-                          .select_related("payment").order_by("-created_at")[:20])
+        # Rather a refund nothing has called the gateway for yet: then the racers really meet there.
+        fresh = Refund.objects.filter(status=RefundState.APPROVED, attempts__isnull=True)
+        candidates = list(fresh.select_related("payment").order_by("-created_at")[:20]) or list(
+            Refund.objects.filter(status__in=(RefundState.APPROVED, RefundState.SUBMITTED))
+            .select_related("payment").order_by("-created_at")[:20])
         connection.close()
         if not candidates:
             return
-        refund = self.rng.choice(candidates)
+        # The largest of them: the likeliest not to fit twice, so a sandbox that let both in would decline one.
+        refund = max(self.rng.sample(candidates, min(3, len(candidates))), key=lambda r: r.amount_minor)
+        racers = 3 if self.args.gateway_duplicates else 2
+        start = threading.Barrier(racers)
 
         def submit() -> None:
             try:
+                start.wait(timeout=10)
                 payouts.submit_refund(refund_id=refund.pk)
+                self.effect("duplicate:returned")
             except Exception as exc:  # RetryLater, unavailable: the product said "not now"
                 self.effect(f"duplicate:{type(exc).__name__}")
             finally:
@@ -532,23 +540,30 @@ class Harness:
                                     reason=refund.reason, idempotency_key=attempts.idempotency_key(refund),
                                     refund_id=refund.pk, verdict_id=refund.verdict_id or "")
             try:
+                start.wait(timeout=10)
                 processor.refund(request)
                 outcome = "accepted"
             except Exception as exc:
                 outcome = getattr(exc, "code", type(exc).__name__)
             finally:
                 connection.close()
-            self.effect(f"gateway_duplicate:{outcome}")
+            self.effect(f"gateway_duplicate:{refund.payment.processor}:{outcome}")
 
-        racers = [submit, submit] + ([replay_at_gateway] if self.args.gateway_duplicates else [])
-        threads = [threading.Thread(target=fn, daemon=True) for fn in racers]
-        for _ in range(2):
+        for _ in range(2):  # and the same refund's task twice more, to the workers
             try:
                 tasks.submit_refund.delay(refund_id=refund.pk)
             except Exception:
                 pass
+        threads = [threading.Thread(target=fn, daemon=True)
+                   for fn in [submit, submit, replay_at_gateway][:racers]]
+        stripe = refund.payment.processor == "stripe"
+        if stripe:  # the first request holds its key a while: Stripe answers the other 409 "key in use"
+            self.stripe.set_mode("slow_after", slow_seconds=self.args.gateway_timeout * 2)
         for thread in threads:
             thread.start()
+        if stripe:
+            time.sleep(0.5)  # the racers are in; everyone else's requests go on as usual
+            self.stripe.set_mode("up")
         for thread in threads:
             thread.join(timeout=30)
 
