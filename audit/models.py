@@ -45,6 +45,12 @@ class Verdict(models.Model):
     totals = models.JSONField(default=dict, blank=True)  # running totals seen when deciding
     hold_reasons = models.JSONField(default=list, blank=True)
     policy_version = models.CharField(max_length=40, blank=True)  # "limits v3 / rules v2"
+    # Refund decisions: what the policy read besides the totals (refundops.policy.policy_input), so
+    # that a draft policy can be replayed on the request (refundops.services.backtest).
+    policy_input = models.JSONField(default=dict, blank=True)
+    # A draft running in shadow beside the active policy: its decision on the same input, never
+    # enforced: {"draft_id", "outcome", "code", "hold_reasons", "amount_minor"}.
+    shadow = models.JSONField(default=dict, blank=True)
     gateway_response = models.JSONField(default=dict, blank=True)
 
     # Written by the worker after the decision, so left out of the digest an audit entry keeps of

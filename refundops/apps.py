@@ -6,3 +6,6 @@ class RefundOpsConfig(AppConfig):
     label = "refundops"
     verbose_name = "Refunds"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from refundops.services import drafts  # noqa: F401  (a draft follows its proposal: a signal)

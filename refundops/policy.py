@@ -289,3 +289,95 @@ def evaluate_resubmission(*, payment: Payment, ask: RefundAsk, limits: RefundLim
         decision.message = "Held for a person: " + ", ".join(decision.hold_reasons) + "."
         return decision
     return Decision("approved", decision.amount_minor, checks=decision.checks)
+
+
+# -- what a verdict keeps so that a draft policy can be replayed on it (refundops.services.backtest) --
+
+def _at(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def _from(value: str | None) -> datetime | None:
+    return datetime.fromisoformat(value) if value else None
+
+
+def policy_input(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | None, rules: HoldRules | None,
+                 now: datetime, paused: bool, breaker_open: bool) -> dict[str, Any]:
+    """Everything ``evaluate_refund`` read besides the totals (the verdict keeps those): the validated
+    ask, the payment and customer facts as locked, which versions decided, the switches, the time."""
+    customer = payment.customer
+    return {
+        "ask": {"amount_minor": ask.amount_minor, "reason": ask.reason, "destination": ask.destination,
+                "agent_id": ask.agent_id, "session_id": ask.session_id,
+                "requester_authority_minor": ask.requester_authority_minor},
+        "payment": {"id": payment.pk, "currency": payment.currency, "status": payment.status,
+                    "captured": payment.amount_captured_minor, "refunded": payment.amount_refunded_minor,
+                    "reserved": payment.amount_reserved_minor, "captured_at": _at(payment.captured_at),
+                    "dispute_status": payment.dispute_status, "fraud_flags": payment.fraud_flags,
+                    "email_changed_at": _at(customer.email_changed_at),
+                    "address_changed_at": _at(customer.address_changed_at)},
+        "limits_id": limits.pk if limits else None, "rules_id": rules.pk if rules else None,
+        "now": now.isoformat(), "paused": paused, "breaker_open": breaker_open,
+    }
+
+
+@dataclass(frozen=True)
+class RecordedCustomer:
+    email_changed_at: datetime | None
+    address_changed_at: datetime | None
+
+
+@dataclass(frozen=True)
+class RecordedPayment:
+    """The payment facts a verdict kept, read by ``evaluate_refund`` as it reads a Payment (a model
+    instance costs more to build than the whole decision: a backtest replays 100,000 of these)."""
+
+    id: str
+    currency: str
+    status: str
+    amount_captured_minor: int
+    amount_refunded_minor: int
+    amount_reserved_minor: int
+    captured_at: datetime | None
+    dispute_status: str
+    fraud_flags: list[str]
+    customer: RecordedCustomer
+
+    @property
+    def pk(self) -> str:
+        return self.id
+
+    Dispute = Payment.Dispute
+    refundable_minor = Payment.refundable_minor  # the model's own properties: one definition
+    is_disputed = Payment.is_disputed
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A recorded request, ready for ``evaluate_refund`` again."""
+
+    payment: RecordedPayment
+    ask: RefundAsk
+    totals: Totals
+    now: datetime
+    paused: bool
+    breaker_open: bool
+    limits_id: int | None
+    rules_id: int | None
+
+
+_TOTAL_FIELDS = frozenset(Totals.__dataclass_fields__)
+
+
+def replay_input(recorded: dict[str, Any], totals: dict[str, Any]) -> Replay:
+    p = recorded["payment"]
+    payment = RecordedPayment(
+        id=p["id"], currency=p["currency"], status=p["status"], amount_captured_minor=p["captured"],
+        amount_refunded_minor=p["refunded"], amount_reserved_minor=p["reserved"], captured_at=_from(p["captured_at"]),
+        dispute_status=p["dispute_status"], fraud_flags=p["fraud_flags"],
+        customer=RecordedCustomer(_from(p["email_changed_at"]), _from(p["address_changed_at"])))
+    return Replay(payment=payment, ask=RefundAsk(**recorded["ask"]),
+                  totals=Totals(**{k: v for k, v in totals.items() if k in _TOTAL_FIELDS}),
+                  now=datetime.fromisoformat(recorded["now"]), paused=recorded["paused"],
+                  breaker_open=recorded["breaker_open"], limits_id=recorded["limits_id"],
+                  rules_id=recorded["rules_id"])

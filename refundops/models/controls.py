@@ -89,3 +89,57 @@ class HoldRules(models.Model):
 
     def __str__(self) -> str:
         return f"hold rules v{self.version}"
+
+
+def new_policy_draft_id() -> str:
+    from audit.ids import new_id
+
+    return new_id("pd")
+
+
+class PolicyDraft(models.Model):
+    """A version of refund limits (one currency) or hold rules that does not bind yet: finance or
+    fraud backtest it on recorded requests, may run it in shadow beside the active version, then
+    promote it (a proposal a second person approves: ``proposals``) or drop it."""
+
+    class Kind(models.TextChoices):
+        LIMITS = "limits", "Refund limits"
+        RULES = "rules", "Hold rules"
+
+    class Status(models.TextChoices):
+        DRAFT = "draft", "Draft"
+        PROPOSED = "proposed", "Proposed (waiting for a second person)"
+        PROMOTED = "promoted", "Promoted (now a version)"
+        DROPPED = "dropped", "Dropped"
+
+    id = models.CharField(primary_key=True, max_length=40, default=new_policy_draft_id, editable=False)
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    currency = models.CharField(max_length=3, choices=CURRENCY_CHOICES, blank=True, help_text="Limits only")
+    values = models.JSONField(help_text="The version's fields, as on a limits or hold-rules row")
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.DRAFT)
+    shadow = models.BooleanField(default=False, help_text="Evaluated on every live request beside the active "
+                                                          "version and recorded on the verdict; never enforced")
+    proposal_id = models.CharField(max_length=40, blank=True, help_text="The proposal that promotes it")
+    note = models.CharField(max_length=300, blank=True)
+    created_by = models.CharField(max_length=150, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.CheckConstraint(condition=models.Q(kind="rules", currency="") | ~models.Q(kind="rules")
+                                   & ~models.Q(currency=""), name="policy_draft_currency_for_limits"),
+            # One shadow per series: a verdict records one shadow decision.
+            models.UniqueConstraint(fields=["kind", "currency"], condition=models.Q(shadow=True),
+                                    name="policy_draft_one_shadow_per_series"),
+        ]
+
+    def __str__(self) -> str:
+        series = f"{self.currency} limits" if self.kind == self.Kind.LIMITS else "hold rules"
+        return f"draft {series} {self.pk}"
+
+    def as_version(self) -> RefundLimits | HoldRules:
+        """The draft as an unsaved version row, for the pure policy."""
+        if self.kind == self.Kind.LIMITS:
+            return RefundLimits(currency=self.currency, version=0, **self.values)
+        return HoldRules(version=0, **self.values)

@@ -21,7 +21,8 @@ from refundops.errors import ApiError
 from refundops.inputs import RefundInput, ValidationFailed, could_be_id, for_the_record, has_nul, parse_refund
 from refundops.locks import lock_payment, lock_platform
 from refundops.models import RESERVING_STATES, Payment, PlatformState, Refund, RefundState
-from refundops.policy import Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_version
+from refundops.policy import (Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_input,
+                              policy_version)
 from refundops.selectors import active_limits, active_rules, running_totals
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,9 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
                                 velocity_hours=rules.velocity_window_hours if rules else 24,
                                 cumulative_hours=limits.cumulative_window_hours if limits else 24,
                                 exclude_refund_id=exclude_refund_id)
+        # What the policy read, kept on the verdict so a draft policy can be replayed on it.
+        verdict.policy_input = policy_input(payment=locked, ask=refund_ask, limits=limits, rules=rules, now=now,
+                                            paused=paused, breaker_open=breaker_open)
         return evaluate_refund(payment=locked, limits=limits, rules=rules, totals=totals, now=now, ask=refund_ask,
                                paused=paused, breaker_open=breaker_open), totals
 
@@ -199,6 +203,7 @@ def decide_resubmission(*, refund: Refund, caller: Caller, note: str, now: datet
     lock_platform()
     totals = running_totals(payment=payment, agent_id=refund.agent_id, session_id=refund.agent_session_id,
                             now=now, velocity_hours=rules.velocity_window_hours if rules else 24,
+                            cumulative_hours=limits.cumulative_window_hours if limits else 24,
                             exclude_refund_id=refund.pk)
     decision = evaluate_resubmission(payment=payment, ask=ask, limits=limits, rules=rules, totals=totals, now=now,
                                      approver=caller.user.get_username())

@@ -1,0 +1,168 @@
+"""Backtest: a draft replayed on a seeded history, checked against outcomes computed by hand.
+
+The history (limits v1: approval threshold 50.00 USD, one refund per customer per day, 90-day
+window; every hold rule on), each request by an agent, through the real service:
+
+  #1 30.00 customer_request, customer 1              -> approved
+  #2 80.00 duplicate, customer 2                     -> held APPROVAL_REQUIRED
+  #3 20.00 product_issue, customer 3, flagged payment -> held PAYMENT_FLAGGED
+  #4 10.00 customer_request, customer 1 again        -> denied DAILY_LIMIT_REACHED
+  #5 10.00 customer_request, captured 100 days ago   -> denied REFUND_WINDOW_EXPIRED
+
+plus what is never replayed: a malformed request, a dry run, an idempotent replay, and a request
+older than the days asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from audit.models import AuditEntry, Verdict
+from refundops.callers import Caller
+from refundops.models import PolicyDraft
+from refundops.services.backtest import run_backtest
+from refundops.services.drafts import DraftError, create_draft
+from refundops.services.refunds import check_refund, request_refund
+from tests.conftest import make_agent_key, make_limits, make_payment, make_rules
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("quiet_breaker")]
+
+
+@pytest.fixture
+def history():
+    make_limits(approval_threshold_minor=5_000, customer_daily_count=1)
+    make_rules()
+    caller = Caller.for_key(make_agent_key()[0])
+
+    def ask(payment, amount, reason, key=None):
+        return request_refund(caller=caller, idempotency_key=key or uuid.uuid4().hex,
+                              data={"transaction_id": payment.pk, "amount": amount, "reason": reason})
+
+    first = make_payment(amount=10_000)
+    answers = [
+        ask(first, 3_000, "customer_request", key="once"),
+        ask(make_payment(amount=10_000), 8_000, "duplicate"),
+        ask(make_payment(amount=10_000, fraud_flags=["velocity"]), 2_000, "product_issue"),
+        ask(make_payment(amount=10_000, customer=first.customer), 1_000, "customer_request"),
+        ask(make_payment(amount=10_000, captured_days_ago=100), 1_000, "customer_request"),
+    ]
+    assert [(a.status, a.code or a.body.get("hold_reasons")) for a in answers] == [
+        (201, None), (202, ["APPROVAL_REQUIRED"]), (202, ["PAYMENT_FLAGGED"]), (422, "DAILY_LIMIT_REACHED"),
+        (422, "REFUND_WINDOW_EXPIRED")]
+    # Never replayed: a replay of #1's key, a malformed body, a dry run, a request 8 days old.
+    assert ask(first, 3_000, "customer_request", key="once").body["deduplicated"]
+    assert ask(first, "3000", "customer_request").code == "VALIDATION_ERROR"
+    check_refund(caller=caller, idempotency_key="dry", data={"transaction_id": first.pk, "amount": 100,
+                                                             "reason": "duplicate"})
+    old = ask(make_payment(amount=10_000), 9_000, "duplicate")
+    Verdict.objects.filter(pk=old.body["verdict"]["id"]).update(created_at=timezone.now() - timedelta(days=8))
+    return [a.body.get("verdict", {}).get("id") or a.body["error"]["verdict_id"] for a in answers]
+
+
+@pytest.fixture
+def finance():
+    return User.objects.create_superuser("finance", "f@example.com", "pw")
+
+
+def backtest(*args: str) -> dict:
+    out = StringIO()
+    call_command("policy_backtest", *args, "--days", "7", "--json", stdout=out)
+    return json.loads(out.getvalue())
+
+
+def tally(count: int, usd: int | None = None) -> dict:
+    return {"count": count, "value": {"USD": usd} if usd is not None else {}}
+
+
+ACTIVE = {
+    "outcomes": {"approved": tally(1, 3_000), "held": tally(2, 10_000), "denied": tally(2, 2_000)},
+    "hold_reasons": {"APPROVAL_REQUIRED": tally(1, 8_000), "PAYMENT_FLAGGED": tally(1, 2_000)},
+    "codes": {"DAILY_LIMIT_REACHED": tally(1, 1_000), "REFUND_WINDOW_EXPIRED": tally(1, 1_000)},
+}
+
+
+def test_a_draft_equal_to_the_active_limits_changes_nothing(history, finance):
+    draft = create_draft(kind="limits", currency="USD", changes={}, person=finance)
+    result = backtest("--limits", draft.pk)
+    assert (result["requests"], result["changed"], result["changes"], result["skipped"]) == (5, 0, [], 0)
+    assert result["active"] == result["draft"] == ACTIVE
+
+
+def test_a_draft_that_changes_every_outcome(history, finance):
+    draft = create_draft(kind="limits", currency="USD", person=finance, changes={
+        "reason_thresholds": {"customer_request": 1_000, "duplicate": 10_000},
+        "allowed_reasons": ["customer_request", "duplicate", "fraudulent"],
+        "customer_daily_count": 5, "refund_window_days": 365})
+    result = backtest("--limits", draft.pk)
+    assert (result["requests"], result["changed"]) == (5, 5)
+    assert result["active"] == ACTIVE
+    assert result["draft"] == {
+        # #2 under its new 100.00 threshold; #5 inside the year, at the 10.00 threshold exactly.
+        "outcomes": {"approved": tally(2, 9_000), "held": tally(2, 4_000), "denied": tally(1, 2_000)},
+        # #1 above 10.00; #4: 30.00 refunded to customer 1 by agents today plus 10.00 pass 10.00.
+        "hold_reasons": {"APPROVAL_REQUIRED": tally(1, 3_000), "APPROVAL_REQUIRED_CUMULATIVE": tally(1, 1_000)},
+        "codes": {"REASON_NOT_ALLOWED": tally(1, 2_000)},  # #3: product_issue no longer allowed
+    }
+    changes = {c["verdict_id"]: (c["active"]["outcome"], c["draft"]["outcome"], c["draft"]["code"]
+                                 or c["draft"]["hold_reasons"]) for c in result["changes"]}
+    assert [changes[v] for v in history] == [
+        ("approved", "held", ["APPROVAL_REQUIRED"]), ("held", "approved", []),
+        ("held", "denied", "REASON_NOT_ALLOWED"), ("denied", "held", ["APPROVAL_REQUIRED_CUMULATIVE"]),
+        ("denied", "approved", [])]
+    refund_ids = [c["refund_id"] for c in result["changes"]]
+    assert refund_ids[:3] == [Verdict.objects.get(pk=v).refund_id for v in history[:3]] and all(refund_ids[:3])
+
+
+def test_a_hold_rules_draft(history, finance):
+    same = create_draft(kind="rules", changes={}, person=finance)
+    assert backtest("--rules", same.pk)["changed"] == 0
+    unflagged = create_draft(kind="rules", changes={"hold_flagged": False}, person=finance)
+    result = backtest("--rules", unflagged.pk)
+    assert result["changed"] == 1
+    assert result["changes"][0]["verdict_id"] == history[2]
+    assert result["draft"]["outcomes"] == {"approved": tally(2, 5_000), "held": tally(1, 8_000),
+                                           "denied": tally(2, 2_000)}
+
+
+def test_more_days_replay_more(history, finance):
+    draft = create_draft(kind="limits", currency="USD", changes={}, person=finance)
+    out = StringIO()
+    call_command("policy_backtest", "--limits", draft.pk, "--days", "9", "--json", stdout=out)
+    assert json.loads(out.getvalue())["requests"] == 6
+    assert run_backtest(draft=draft, days=7).requests == 5
+
+
+def test_the_command_explains_a_wrong_id_and_prints_a_readable_table(history, finance):
+    draft = create_draft(kind="rules", changes={"hold_flagged": False}, person=finance)
+    with pytest.raises(CommandError, match="use --rules"):
+        call_command("policy_backtest", "--limits", draft.pk, "--days", "7")
+    with pytest.raises(CommandError, match="No policy draft 'pd_nope'"):
+        call_command("policy_backtest", "--rules", "pd_nope", "--days", "7")
+    out = StringIO()
+    call_command("policy_backtest", "--rules", draft.pk, "--days", "7", stdout=out)
+    text = out.getvalue()
+    assert "5 requests since" in text and "1 would change" in text
+    assert "PAYMENT_FLAGGED" in text and "held PAYMENT_FLAGGED -> approved" in text
+
+
+def test_drafts_are_checked_and_audited(finance, policy):
+    with pytest.raises(DraftError, match="approval_threshold_minor"):
+        create_draft(kind="limits", currency="USD", changes={"approval_threshold_minor": "lots"}, person=finance)
+    with pytest.raises(DraftError, match="Not part of limits: hold_flagged"):
+        create_draft(kind="limits", currency="USD", changes={"hold_flagged": False}, person=finance)
+    clerk = User.objects.create_user("clerk", is_staff=True)
+    with pytest.raises(DraftError) as refused:
+        create_draft(kind="rules", changes={}, person=clerk)
+    assert refused.value.code == "DRAFT_NOT_AUTHORIZED"
+    draft = create_draft(kind="limits", currency="USD", changes={"approval_threshold_minor": 1}, person=finance)
+    assert draft.values["approval_threshold_minor"] == 1 and draft.status == PolicyDraft.Status.DRAFT
+    assert draft.values["customer_daily_count"] == 1_000  # the rest from the active version
+    assert AuditEntry.objects.filter(action="policy_draft.created", subject_id=draft.pk).exists()
