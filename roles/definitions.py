@@ -47,13 +47,15 @@ FINANCE_APPROVER = Role(
         "refundops.paymentoperation": "view",
         "refundops.paymentlink": "view", "refundops.paymentlinktemplate": "view add change",
         "refundops.refundlimits": "view add change", "refundops.holdrules": "view",
+        "refundops.policydraft": "view add change",  # limits drafts (the service checks the kind)
         "approvals.approvalauthority": "view",
     }))
 
 FRAUD_ANALYST = Role(
     name="fraud analyst", group="Fraud analysts",
     does="proposes and approves hold rules; reads payments, refunds and verdicts",
-    permissions=_perms({**_MONEY_READ, "refundops.holdrules": "view add change", "refundops.refundlimits": "view"}))
+    permissions=_perms({**_MONEY_READ, "refundops.holdrules": "view add change", "refundops.refundlimits": "view",
+                        "refundops.policydraft": "view add change"}))  # hold-rules drafts
 
 AUDITOR = Role(
     name="auditor", group="Auditors", does="reads everything, changes nothing",

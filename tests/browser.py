@@ -34,10 +34,13 @@ from refundops.models import (
     PaymentLinkTemplate,
     PaymentOperation,
     PlatformState,
+    PolicyDraft,
     Refund,
+    RefundLimits,
     WebhookDelivery,
 )
 from refundops.services import payouts
+from refundops.services.drafts import draft_fields
 from refundops.services.refunds import request_refund
 from tests.conftest import make_agent_key, make_limits, make_payment, make_rules
 
@@ -82,6 +85,9 @@ def populate() -> World:
                             reason="product_issue").body["refund"]
     PlatformState.current()
     SandboxControl.current()
+    limits = RefundLimits.objects.filter(currency="USD").order_by("-version").first()
+    PolicyDraft.objects.create(kind="limits", currency="USD", note="a lower threshold", values={
+        **{f: getattr(limits, f) for f in draft_fields("limits")}, "approval_threshold_minor": 2_000})
 
     disputed = make_payment(amount=5_000, dispute_status="open", paid_twice=True)
     verdict = Verdict.objects.create(operation="dispute.draft", outcome="approved", payment_id=disputed.pk,

@@ -117,3 +117,44 @@ def test_every_admin_page_renders_in_chromium(live_server, browser):
         expect(page.locator("h1")).to_have_text(heading)
         shot(page, f"root-{name}")
     assert broken == []
+
+
+def test_finance_writes_a_draft_and_backtests_it_on_its_page(live_server, browser):
+    from refundops.models import PolicyDraft
+    from tests.conftest import make_limits, make_payment, make_rules
+
+    make_limits(approval_threshold_minor=5_000)
+    make_rules()
+    caller = Caller.for_key(make_agent_key()[0])
+    refunds = [agent_refund(caller, make_payment(amount=10_000), amount).body["refund"] for amount in (3_000, 8_000, 1_000)]
+    assert [r["status"] for r in refunds] == ["approved", "held", "approved"]
+    User.objects.create_superuser("finance", "finance@example.com", "finance-pw")
+    page, broken = log_in(browser, live_server.url, "finance", "finance-pw")
+
+    page.goto(live_server.url + "/admin/refundops/policydraft/add/")
+    page.select_option("#id_kind", "limits")
+    page.select_option("#id_currency", "USD")
+    page.fill("#id_note", "threshold down to 20.00")
+    page.fill("#id_changes", '{"approval_threshold_minor": 2000}')
+    page.click("input[type=submit][name=_save]")
+    draft = PolicyDraft.objects.get()
+    assert draft.values["approval_threshold_minor"] == 2_000
+    expect(page.locator("#backtest h2")).to_have_text("Backtest")
+
+    page.fill("#backtest-days", "7")
+    page.click("text=Run the backtest")
+    expect(page.locator(".backtest-summary")).to_contain_text("3 recorded requests since")
+    expect(page.locator(".backtest-summary")).to_contain_text("1 would change")
+    chart = page.locator("svg.backtest-chart")
+    expect(chart).to_be_visible()
+    assert chart.locator("rect.bar").count() == 6
+    assert chart.locator("rect.bar.draft.held title").text_content() == "draft held: 2"
+    shot(page, "finance-draft-backtest")
+    row = page.locator(".backtest-changes tbody tr")
+    expect(row).to_have_count(1)
+    expect(row).to_contain_text("approved")
+    expect(row).to_contain_text("held APPROVAL_REQUIRED")
+    row.locator("a").click()
+    expect(page.locator("h1")).to_contain_text("refund")
+    assert refunds[0]["id"] in page.url.replace("_5F", "_")
+    assert broken == []

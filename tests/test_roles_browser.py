@@ -43,8 +43,9 @@ MAY = {
         **MONEY_READ, "refundops.DisputeEvidenceDraft": "view", "refundops.PaymentOperation": "view",
         "refundops.PaymentLink": "view", "refundops.PaymentLinkTemplate": "view add change",
         "refundops.RefundLimits": "view add change", "refundops.HoldRules": "view",
-        "approvals.ApprovalAuthority": "view"},
-    "fraud analyst": {**MONEY_READ, "refundops.HoldRules": "view add change", "refundops.RefundLimits": "view"},
+        "refundops.PolicyDraft": "view add change", "approvals.ApprovalAuthority": "view"},
+    "fraud analyst": {**MONEY_READ, "refundops.HoldRules": "view add change", "refundops.RefundLimits": "view",
+                      "refundops.PolicyDraft": "view add change"},
     "operator": {
         "refundops.Agent": "view change", "refundops.AgentKey": "view", "refundops.PlatformState": "view",
         "refundops.IdempotencyRecord": "view", "refundops.WebhookDelivery": "view",
