@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('refundops', '0012_limits_cumulative_window'),
+        ('refundops', '0013_merchants'),
     ]
 
     operations = [
