@@ -119,13 +119,6 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Redis holds only what may be rebuilt: rate-limit windows, breaker state, the broker's queue.
 REDIS_URL = env("REDIS_URL", default="")
-# Embedded mode (SQLite, a filesystem broker, per-process rate limits) is for one machine trying the
-# product: production mode refuses it, so an image started without its environment says so.
-_missing_services = [name for name in ("DATABASE_URL", "REDIS_URL") if not env(name, default="")]
-if PRODUCTION and _missing_services:
-    raise ImproperlyConfigured(
-        f"REFUNDOPS_ENV=production needs {' and '.join(_missing_services)} (PostgreSQL and Redis); embedded mode "
-        "(SQLite and a filesystem broker) is for development only. docker-compose.yml sets both.")
 # Every key this install writes (ours and the broker's queues) starts with this prefix, so two
 # installs, or two test runs, can share one Redis without seeing each other's state or tasks.
 REDIS_KEY_PREFIX = env("REDIS_KEY_PREFIX", default="")
@@ -196,6 +189,14 @@ if env("REFUNDOPS_ENV", default="") == "production" and len(AUDIT_KEY) < 32:
     raise ImproperlyConfigured("Production mode needs AUDIT_KEY (at least 32 random characters) to key the "
                                "audit chain; keep it outside the database.")
 AUDIT_KEY = AUDIT_KEY or "dev-only-audit-key-not-secret"
+
+# Embedded mode (SQLite, a filesystem broker, per-process rate limits) is for one machine trying the
+# product: production mode refuses it, so an image started without its environment says so.
+_missing_services = [name for name in ("DATABASE_URL", "REDIS_URL") if not env(name, default="")]
+if PRODUCTION and _missing_services:
+    raise ImproperlyConfigured(
+        f"REFUNDOPS_ENV=production needs {' and '.join(_missing_services)} (PostgreSQL and Redis); embedded mode "
+        "(SQLite and a filesystem broker) is for development only. docker-compose.yml sets both.")
 AUDIT_SEAL_GRACE_SECONDS = env.int("AUDIT_SEAL_GRACE_SECONDS", default=300)  # verify_audit fails past this
 
 # DJANGO_SECURE=true behind TLS: secure cookies, HSTS, HTTPS only, and the proxy's word for it.
