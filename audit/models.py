@@ -48,8 +48,8 @@ class Verdict(models.Model):
     # Refund decisions: what the policy read besides the totals (refundops.policy.policy_input), so
     # that a draft policy can be replayed on the request (refundops.services.backtest).
     policy_input = models.JSONField(default=dict, blank=True)
-    # A draft running in shadow beside the active policy: its decision on the same input, never
-    # enforced: {"draft_id", "outcome", "code", "hold_reasons", "amount_minor"}.
+    # Drafts running in shadow beside the active policy: each one's decision on the same input, never
+    # enforced: {draft_id: {"kind", "outcome", "code", "hold_reasons", "amount_minor", "agrees"}}.
     shadow = models.JSONField(default=dict, blank=True)
     gateway_response = models.JSONField(default=dict, blank=True)
 

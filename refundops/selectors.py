@@ -8,7 +8,7 @@ from django.db import connection
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
-from refundops.models import COUNTING_STATES, HoldRules, Payment, Refund, RefundLimits
+from refundops.models import COUNTING_STATES, HoldRules, Payment, PolicyDraft, Refund, RefundLimits
 from refundops.policy import Totals
 
 
@@ -18,6 +18,12 @@ def active_limits(currency: str) -> RefundLimits | None:
 
 def active_rules() -> HoldRules | None:
     return HoldRules.objects.order_by("-version").first()
+
+
+def shadow_drafts(currency: str) -> list[PolicyDraft]:
+    """Drafts running in shadow for a request in ``currency``: its limits draft, the hold rules draft."""
+    return list(PolicyDraft.objects.filter(shadow=True, status__in=(PolicyDraft.Status.DRAFT, PolicyDraft.Status.PROPOSED))
+                .filter(Q(kind=PolicyDraft.Kind.RULES) | Q(kind=PolicyDraft.Kind.LIMITS, currency=currency)))
 
 
 def start_of_day(now: datetime) -> datetime:

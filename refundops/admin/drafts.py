@@ -11,10 +11,12 @@ from django.contrib import admin, messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.http import HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 from django.views.decorators.http import require_POST
 
+from audit.models import Verdict
 from processors.money import format_minor
 from refundops.models import PolicyDraft
 from refundops.services import drafts
@@ -128,7 +130,23 @@ class PolicyDraftAdmin(admin.ModelAdmin):
         view = self.admin_site.admin_view
         steps = [path(f"<path:object_id>/{step}/", view(require_POST(self._step_view(step))),
                       name=f"refundops_policydraft_{step}") for step in ("shadow", "unshadow", "promote", "drop")]
-        return [*steps, *super().get_urls()]
+        disagreements = path("<path:object_id>/disagreements/", view(self.disagreements_view),
+                             name="refundops_policydraft_disagreements")
+        return [*steps, disagreements, *super().get_urls()]
+
+    def disagreements_view(self, request, object_id: str) -> HttpResponse:
+        """Where the draft, running in shadow, decided otherwise than the version that bound."""
+        draft = PolicyDraft.objects.filter(pk=unquote(object_id)).first()
+        if draft is None or not self.has_view_permission(request, draft):
+            raise PermissionDenied
+        seen = Verdict.objects.filter(shadow__has_key=draft.pk)
+        disagreed = seen.filter(**{f"shadow__{draft.pk}__agrees": False}).order_by("-created_at")
+        rows = [(v, v.shadow[draft.pk], format_minor(v.amount_minor or 0, v.currency or "USD"))
+                for v in disagreed[:CHANGES_SHOWN]]
+        context = {**self.admin_site.each_context(request), "opts": self.model._meta, "draft": draft,
+                   "title": f"Where {draft} disagreed with the active version", "evaluated": seen.count(),
+                   "disagreed": disagreed.count(), "rows": rows, "shown": CHANGES_SHOWN}
+        return TemplateResponse(request, "admin/refundops/policydraft/disagreements.html", context)
 
     def _step_view(self, step: str):
         def view(request, object_id: str) -> HttpResponse:

@@ -20,10 +20,10 @@ from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.inputs import RefundInput, ValidationFailed, could_be_id, for_the_record, has_nul, parse_refund
 from refundops.locks import lock_payment, lock_platform
-from refundops.models import RESERVING_STATES, Payment, PlatformState, Refund, RefundState
+from refundops.models import RESERVING_STATES, Payment, PlatformState, PolicyDraft, Refund, RefundState
 from refundops.policy import (Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_input,
                               policy_version)
-from refundops.selectors import active_limits, active_rules, running_totals
+from refundops.selectors import active_limits, active_rules, running_totals, shadow_drafts
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,7 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
         _fill_verdict(verdict, decision, totals).save()
         return _check_answer(payment, decision, verdict, totals, limits)
 
+    shadows = shadow_drafts(payment.currency)  # before the lock: drafts that only watch
     # Every refund decision is serialised by the platform row lock, held until commit, so running
     # totals are exact under races. To keep that stretch short, the refund is written on the
     # decision taken without the lock; then the lock is taken and the decision taken again on
@@ -170,6 +171,8 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
                                now=now, idempotency_key=idempotency_key)
     decision = confirmed
     verdict.refund_id = refund.pk if refund else ""
+    verdict.shadow = _shadow(shadows, decision, payment=locked, ask=refund_ask, limits=limits, rules=rules,
+                             totals=totals, now=now, paused=verdict.policy_input["paused"], breaker_open=breaker_open)
     _fill_verdict(verdict, decision, totals).save()  # the refund points at it; the FK is checked at commit
     if refund is not None:
         if refund.status == RefundState.APPROVED and caller.is_agent:
@@ -212,6 +215,23 @@ def decide_resubmission(*, refund: Refund, caller: Caller, note: str, now: datet
                       **caller.verdict_fields())
     _fill_verdict(verdict, decision, totals).save()
     return decision, verdict
+
+
+def _shadow(drafts: list[PolicyDraft], decision: Decision, *, payment, ask: RefundAsk, limits, rules,
+            totals: Totals, now: datetime, paused: bool, breaker_open: bool) -> dict[str, Any]:
+    """What each draft running in shadow would decide on this very input, beside the decision that
+    binds; recorded on the verdict, never enforced. The totals are the active version's: a draft
+    that changes a window's length is judged on the active window here (its backtest too)."""
+    seen = {}
+    for draft in drafts:
+        mine = evaluate_refund(payment=payment, ask=ask, totals=totals, now=now, paused=paused,
+                               breaker_open=breaker_open,
+                               limits=draft.as_version() if draft.kind == PolicyDraft.Kind.LIMITS else limits,
+                               rules=draft.as_version() if draft.kind == PolicyDraft.Kind.RULES else rules)
+        seen[draft.pk] = {"kind": draft.kind, "outcome": mine.outcome, "code": mine.code,
+                          "hold_reasons": mine.hold_reasons, "amount_minor": mine.amount_minor,
+                          "agrees": _outcome_key(mine) == _outcome_key(decision)}
+    return seen
 
 
 class _Overturned(Exception):
