@@ -21,6 +21,7 @@ class Proposal(models.Model):
         LINK_TEMPLATE = "link_template", "Payment link template"
         AGENT_CAPABILITIES = "agent_capabilities", "Agent capabilities"
         MERCHANT_ENDPOINT = "merchant_endpoint", "Merchant endpoint"
+        MERCHANT = "merchant", "Merchant settings"
 
     class Status(models.TextChoices):
         PENDING = "pending", "Waiting for a second person"

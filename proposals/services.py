@@ -1,5 +1,5 @@
 """Maker-checker for every control: a change to refund limits, hold rules, approval authorities,
-payment-link templates, agent capabilities or merchant endpoints is proposed by one person and
+payment-link templates, agent capabilities, merchant endpoints or a merchant's settings is proposed by one person and
 takes effect only when a different person with the same right approves it. Both names, the
 diff and the times are in the audit chain.
 
@@ -21,7 +21,7 @@ from django.utils import timezone
 from approvals.models import ApprovalAuthority
 from audit.services import record_audit
 from proposals.models import Proposal
-from refundops.models import Agent, HoldRules, MerchantEndpoint, PaymentLinkTemplate, RefundLimits
+from refundops.models import Agent, HoldRules, Merchant, MerchantEndpoint, PaymentLinkTemplate, RefundLimits
 from refundops.services import agents
 
 K = Proposal.Kind
@@ -164,6 +164,14 @@ ENDPOINT = Control(
     validate=lambda pk, values: _full_clean(MerchantEndpoint, values, exclude=("secret",)))
 
 
+MERCHANT_FIELDS = ("name", "require_session_id")
+MERCHANT = Control(
+    permission="refundops.change_merchant", fields=MERCHANT_FIELDS,
+    current=_row_values(Merchant, MERCHANT_FIELDS), apply=_apply_row(Merchant),
+    summary=lambda pk, values: f"merchant {values.get('name') or pk}",
+    validate=lambda pk, values: _full_clean(Merchant, values))
+
+
 # -- agent capabilities: granting needs two people, revoking one (refundops.services.agents) -------
 
 def _apply_capabilities(proposal: Proposal, approver) -> str:
@@ -194,7 +202,7 @@ CAPABILITIES = Control(
 
 CONTROLS: dict[str, Control] = {K.REFUND_LIMITS: LIMITS, K.HOLD_RULES: RULES, K.APPROVAL_AUTHORITY: AUTHORITY,
                                 K.LINK_TEMPLATE: TEMPLATE, K.MERCHANT_ENDPOINT: ENDPOINT,
-                                K.AGENT_CAPABILITIES: CAPABILITIES}
+                                K.AGENT_CAPABILITIES: CAPABILITIES, K.MERCHANT: MERCHANT}
 
 
 # -- the three operations ----------------------------------------------------------------------------

@@ -37,7 +37,7 @@ _MONEY_READ = {"refundops.payment": "view", "refundops.customer": "view", "refun
 FINANCE_APPROVER = Role(
     name="finance approver", group="Finance approvers",
     does="decides held refunds, refunds and captures by hand, submits dispute evidence, proposes and "
-         "approves limits and link templates",
+         "approves limits, link templates and merchant settings",
     permissions=_perms({
         **_MONEY_READ,
         "refundops.refund": "view add approve_refund",
@@ -49,6 +49,7 @@ FINANCE_APPROVER = Role(
         "refundops.refundlimits": "view add change", "refundops.holdrules": "view",
         "refundops.policydraft": "view add change",  # limits drafts (the service checks the kind)
         "approvals.approvalauthority": "view",
+        "refundops.merchant": "view change",  # whether a merchant's agents must name their session
     }))
 
 FRAUD_ANALYST = Role(

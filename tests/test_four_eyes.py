@@ -21,7 +21,8 @@ from approvals.services import ApprovalError, approve_refund
 from audit.models import AuditEntry
 from proposals.models import Proposal
 from proposals.services import ProposalError, approve_proposal, propose_change, reject_proposal
-from refundops.models import Agent, HoldRules, MerchantEndpoint, PaymentLinkTemplate, Refund, RefundLimits, RefundState
+from refundops.models import (Agent, HoldRules, Merchant, MerchantEndpoint, PaymentLinkTemplate, Refund, RefundLimits,
+                              RefundState)
 from tests.conftest import make_agent_key, make_limits, make_payment
 
 pytestmark = pytest.mark.django_db
@@ -141,6 +142,8 @@ def test_each_control_takes_effect_only_when_another_person_with_the_right_appro
     op1, _ = staff("op1", "operator")
     op2, _ = staff("op2", "operator")
     agent = Agent.objects.create(name="bot", capabilities=["payments.read"])
+    finance2, _ = staff("fin2", "finance approver")
+    merchant = Merchant.objects.create(name="Shop two")
 
     cases = [
         (fraud1, fraud2, finance, dict(kind=Proposal.Kind.HOLD_RULES, changes={"hold_flagged": False}),
@@ -152,6 +155,9 @@ def test_each_control_takes_effect_only_when_another_person_with_the_right_appro
                                    changes={"url": "https://merchant.example/hook", "active": True,
                                             "event_types": [], "description": ""}),
          lambda: MerchantEndpoint.objects.filter(url="https://merchant.example/hook").exists()),
+        (finance, finance2, fraud1, dict(kind=Proposal.Kind.MERCHANT, subject_id=merchant.pk,
+                                         changes={"require_session_id": True}),
+         lambda: Merchant.objects.get(pk=merchant.pk).require_session_id is True),
         (op1, op2, admin1, dict(kind=Proposal.Kind.AGENT_CAPABILITIES, subject_id=agent.pk,
                                 changes={"capabilities": ["payments.read", "refunds.create"]}),
          lambda: Agent.objects.get(pk=agent.pk).has_capability("refunds.create")),
@@ -238,3 +244,17 @@ def test_an_administrator_cannot_give_roles_or_superuser_status_in_the_admin():
     admin1.refresh_from_db()
     assert not admin1.is_superuser and list(admin1.groups.values_list("name", flat=True)) == ["Administrators"]
     assert client.get(f"/admin/auth/user/{target.pk}/password/").status_code == 403
+
+
+def test_a_merchants_settings_change_in_the_admin_is_a_proposal():
+    merchant = Merchant.objects.create(name="Shop two")
+    finance, client = staff("fin", "finance approver")
+    response = client.post(f"/admin/refundops/merchant/{quote(merchant.pk)}/change/",
+                           {"name": "Shop two", "require_session_id": "on"})
+    proposal = pending(Proposal.Kind.MERCHANT)
+    assert response.status_code == 302 and response.url.endswith(f"/proposals/proposal/{quote(proposal.pk)}/change/")
+    assert proposal.diff == {"require_session_id": [False, True]}
+    assert Merchant.objects.get(pk=merchant.pk).require_session_id is False
+    approve_proposal(proposal_id=proposal.pk, approver=staff("fin2", "finance approver")[0])
+    assert Merchant.objects.get(pk=merchant.pk).require_session_id is True
+    assert client.post("/admin/refundops/merchant/add/", {"name": "Shop three"}).status_code == 403

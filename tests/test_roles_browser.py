@@ -43,7 +43,8 @@ MAY = {
         **MONEY_READ, "refundops.DisputeEvidenceDraft": "view", "refundops.PaymentOperation": "view",
         "refundops.PaymentLink": "view", "refundops.PaymentLinkTemplate": "view add change",
         "refundops.RefundLimits": "view add change", "refundops.HoldRules": "view",
-        "refundops.PolicyDraft": "view add change", "approvals.ApprovalAuthority": "view"},
+        "refundops.PolicyDraft": "view add change", "approvals.ApprovalAuthority": "view",
+        "refundops.Merchant": "view change"},
     "fraud analyst": {**MONEY_READ, "refundops.HoldRules": "view add change", "refundops.RefundLimits": "view",
                       "refundops.PolicyDraft": "view add change"},
     "operator": {

@@ -174,9 +174,12 @@ class IdempotencyRecordAdmin(ReadOnlyAdmin):
 
 
 @admin.register(Merchant)
-class MerchantAdmin(HistoryAdmin):
+class MerchantAdmin(ProposeChangeMixin, HistoryAdmin):
     """Who owns payments, customers, agents and endpoints. Finance decides here whether refunds by
-    the merchant's agents must name ``agent.session_id`` (history keeps who changed it)."""
+    the merchant's agents must name ``agent.session_id``: a change (or a new merchant) is a
+    proposal a second person approves."""
+
+    proposal_kind = Proposal.Kind.MERCHANT
 
     list_display = ["name", "id", "require_session_id", "created_at"]
     search_fields = ["name", "id"]
