@@ -267,7 +267,7 @@ def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits |
 
 # Holds that ask who may approve this amount. A person resubmitting a failed refund has had their
 # authority for it checked (approvals.services.ensure_approval_authority): they are that approval.
-AUTHORITY_HOLDS = ("APPROVAL_REQUIRED", "ABOVE_REQUESTER_AUTHORITY")
+AUTHORITY_HOLDS = ("APPROVAL_REQUIRED", "APPROVAL_REQUIRED_CUMULATIVE", "ABOVE_REQUESTER_AUTHORITY")
 
 
 def evaluate_resubmission(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | None,

@@ -151,3 +151,19 @@ def test_a_resubmission_waits_for_the_platform_lock_every_refund_decision_takes(
         assert worker.is_alive() and not done  # decided only after that refund's totals commit
     worker.join(timeout=10)
     assert done == [RefundState.APPROVED]
+
+
+@pytest.mark.django_db
+def test_the_resubmitting_persons_authority_stands_for_the_cumulative_threshold_too():
+    make_limits(approval_threshold_minor=5_000), make_rules()
+    payment = make_payment(amount=20_000)
+    key = make_agent_key()[0]
+    first = request_refund(caller=Caller.for_key(key), idempotency_key=uuid.uuid4().hex,
+                           data={"transaction_id": payment.pk, "amount": 4_000, "reason": "product_issue"})
+    assert first.status == 201
+    failed = failed_refund(3_000, payment=payment, key=key, days_ago=0.1)  # 40.00 + 30.00 pass 50.00
+    resubmitted = resubmit_refund(refund_id=failed.pk, approver=approver("alice", limit=50_000))
+    assert resubmitted.status == RefundState.APPROVED
+    verdict = Verdict.objects.get(operation="refund.resubmit", refund_id=resubmitted.pk)
+    check = next(c for c in verdict.checks if c["name"] == "approval_threshold_cumulative")
+    assert check["result"] == "pass" and "whose authority covers it" in check["message"]
