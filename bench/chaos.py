@@ -241,6 +241,7 @@ class Report:
     seconds: dict[str, float] = field(default_factory=dict)
     reconcile: dict[str, Any] = field(default_factory=dict)
     outbox: bool = False
+    deliveries: int = 0
 
     def violation(self, kind: str, **detail: Any) -> None:
         self.violations.append({"kind": kind, **detail})
@@ -251,6 +252,7 @@ class Report:
                 "refunds": sum(self.refunds_by_status.values()), "refunds_by_status": self.refunds_by_status,
                 "faults": sum(self.faults.values()), "faults_by_kind": dict(sorted(self.faults.items())),
                 "gateway_effects": dict(sorted(self.gateway_effects.items())), "outbox": self.outbox,
+                "merchant_deliveries": self.deliveries,
                 "drained": self.drained, "violations": len(self.violations),
                 "violations_by_kind": dict(by_kind), "violation_details": self.violations[:50],
                 "reconcile": self.reconcile, "seconds": {k: round(v, 1) for k, v in self.seconds.items()}}
@@ -672,6 +674,7 @@ class Harness:
             report.violation("stuck", refund=refund.pk, status=refund.status)
         # Every committed state change announced, and the merchant got it.
         delivered: dict[str, set[str]] = collections.defaultdict(set)
+        report.deliveries = WebhookDelivery.objects.count()
         for delivery in WebhookDelivery.objects.all():
             refund_id = delivery.payload["data"]["object"]["id"]
             if delivery.status != WebhookDelivery.Status.DELIVERED:
@@ -782,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{report['refunds_by_status']}")
         print(f"faults: {report['faults']} {report['faults_by_kind']}")
         print(f"gateway/product effects: {report['gateway_effects']}")
-        print(f"reconcile: {report['reconcile']}")
+        print(f"merchant webhook deliveries: {report['merchant_deliveries']}; reconcile: {report['reconcile']}")
         print(f"violations: {report['violations']} {report['violations_by_kind']}")
         for violation in report["violation_details"][:20]:
             print(f"  {json.dumps(violation, default=str)[:600]}")

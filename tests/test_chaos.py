@@ -20,7 +20,8 @@ KINDS = ["worker_kill", "gateway_timeout_after_acting", "duplicate_submission", 
 
 def test_two_hundred_refunds_under_two_dozen_faults_keep_the_books_exact():
     answer = subprocess.run(
-        [sys.executable, "bench/chaos.py", "--refunds", "200", "--faults", "24", "--seed", "8", "--seconds", "25",
+        [sys.executable, "bench/chaos.py", "--refunds", "200", "--faults", "24", "--seed", "8", "--seconds", "20",
+         "--workers", "4",
          "--drain-seconds", "100", "--events", "money", "--kinds", ",".join(KINDS), "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
 
