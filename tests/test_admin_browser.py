@@ -157,4 +157,21 @@ def test_finance_writes_a_draft_and_backtests_it_on_its_page(live_server, browse
     row.locator("a").click()
     expect(page.locator("h1")).to_contain_text("refund")
     assert refunds[0]["id"] in page.url.replace("_5F", "_")
+
+    # In shadow: a live request the draft would hold is approved all the same, and shows up as a
+    # disagreement; then the draft is proposed for a second person.
+    page.goto(live_server.url + admin_url("admin:refundops_policydraft_change", draft.pk))
+    page.click("input[type=submit][value='Run in shadow']")
+    expect(page.locator(".messagelist")).to_contain_text("runs in shadow")
+    live = agent_refund(caller, make_payment(amount=10_000), 3_000).body["refund"]
+    assert live["status"] == "approved"
+    page.click("text=Where the shadow and the active version disagreed")
+    expect(page.locator(".shadow-summary")).to_contain_text("disagreed with the active version on 1")
+    expect(page.locator(".shadow-disagreements tbody tr")).to_contain_text("held APPROVAL_REQUIRED")
+    shot(page, "finance-draft-disagreements")
+    page.goto(live_server.url + admin_url("admin:refundops_policydraft_change", draft.pk))
+    page.click("input[type=submit][value='Promote (propose)']")
+    expect(page.locator("#decision h2")).to_have_text("Waiting for a second person")
+    draft.refresh_from_db()
+    assert (draft.status, draft.shadow) == ("proposed", True)
     assert broken == []
