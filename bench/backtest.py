@@ -80,13 +80,13 @@ def main() -> None:
                         global_day_minor=0, agents_payment_minor=rng.choice((0, 0, 5_000, 18_000)),
                         agents_customer_window_minor=rng.choice((0, 0, 10_000)))
         decision = evaluate_refund(payment=payment, ask=ask, limits=limits, rules=rules, totals=totals, now=at,
-                                   paused=False, breaker_open=False)
+                                   paused=False, breaker_open=False, ledger_mismatch=False)
         batch.append(Verdict(
             operation="refund.create", outcome=decision.outcome, code=decision.code, amount_minor=decision.amount_minor,
             currency="USD", payment_id=payment.pk, hold_reasons=decision.hold_reasons, totals=vars(totals),
             checks=decision.checks_json(), policy_version=policy_version(limits, rules),
             policy_input=policy_input(payment=payment, ask=ask, limits=limits, rules=rules, now=at, paused=False,
-                                      breaker_open=False)))
+                                      breaker_open=False, ledger_mismatch=False)))
         if len(batch) == 5_000:
             Verdict.objects.bulk_create(batch)
             batch.clear()

@@ -90,7 +90,9 @@ def policy_version(limits: RefundLimits | None, rules: HoldRules | None) -> str:
 
 def evaluate_refund(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | None,
                     rules: HoldRules | None, totals: Totals, now: datetime, paused: bool,
-                    breaker_open: bool) -> Decision:
+                    breaker_open: bool, ledger_mismatch: bool) -> Decision:
+    """``ledger_mismatch``: a reconciliation discrepancy of the payment is open (the service reads
+    it in the statement that locks the payment)."""
     checks: list[Check] = []
     amount = ask.amount_minor if ask.amount_minor is not None else payment.refundable_minor
     cur = payment.currency
@@ -166,6 +168,11 @@ def evaluate_refund(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | 
     hold_reasons = _hold_rules(checks, payment=payment, limits=limits, rules=rules, totals=totals,
                                amount=amount, reason=ask.reason, now=now, money=money,
                                requester_authority=ask.requester_authority_minor, by_agent=ask.agent_id is not None)
+    if ask.agent_id is not None:
+        # Not a hold rule fraud may switch off: the books disagree, so what is refundable is unknown.
+        checks.append(_ledger_check(payment, ledger_mismatch))
+        if ledger_mismatch:
+            hold_reasons.append("LEDGER_MISMATCH")
     if hold_reasons:
         return Decision("held", amount, checks=checks, hold_reasons=hold_reasons,
                         message="Held for a person: " + ", ".join(hold_reasons) + ".")
@@ -265,19 +272,32 @@ def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits |
     return fired
 
 
+def _ledger_check(payment: Payment, mismatch: bool) -> Check:
+    return Check("ledger_reconciled", "hold" if mismatch else "pass", code="LEDGER_MISMATCH" if mismatch else "",
+                 message=f"Payment {payment.id} has an open reconciliation discrepancy (its gateway's books and "
+                         f"ours disagree): a person decides until finance resolves it." if mismatch else "",
+                 observed=mismatch)
+
+
 # Holds that ask who may approve this amount. A person resubmitting a failed refund has had their
 # authority for it checked (approvals.services.ensure_approval_authority): they are that approval.
 AUTHORITY_HOLDS = ("APPROVAL_REQUIRED", "APPROVAL_REQUIRED_CUMULATIVE", "ABOVE_REQUESTER_AUTHORITY")
 
 
 def evaluate_resubmission(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | None,
-                          rules: HoldRules | None, totals: Totals, now: datetime, approver: str) -> Decision:
+                          rules: HoldRules | None, totals: Totals, now: datetime, approver: str,
+                          ledger_mismatch: bool) -> Decision:
     """A person sends a failed refund again: a new ask today, so every check and limit runs again.
     Refusals stand; a hold for a risk that arose (dispute, flag, contact change, velocity) waits for
     a decision; the authority holds are met by the person resubmitting. The kill switch and the
     breaker pause agents, and a person is acting, as when a person approves a held refund."""
     decision = evaluate_refund(payment=payment, ask=ask, limits=limits, rules=rules, totals=totals, now=now,
-                               paused=False, breaker_open=False)
+                               paused=False, breaker_open=False, ledger_mismatch=ledger_mismatch)
+    if ledger_mismatch and decision.outcome != "denied" and "LEDGER_MISMATCH" not in decision.hold_reasons:
+        # A person's refund too: the failure being sent again may have been paid (see reconciliation).
+        decision.checks.append(_ledger_check(payment, True))
+        decision.outcome = "held"
+        decision.hold_reasons.append("LEDGER_MISMATCH")
     if decision.outcome != "held":
         return decision
     for check in decision.checks:
@@ -302,7 +322,7 @@ def _from(value: str | None) -> datetime | None:
 
 
 def policy_input(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | None, rules: HoldRules | None,
-                 now: datetime, paused: bool, breaker_open: bool) -> dict[str, Any]:
+                 now: datetime, paused: bool, breaker_open: bool, ledger_mismatch: bool) -> dict[str, Any]:
     """Everything ``evaluate_refund`` read besides the totals (the verdict keeps those): the validated
     ask, the payment and customer facts as locked, which versions decided, the switches, the time."""
     customer = payment.customer
@@ -317,7 +337,7 @@ def policy_input(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | Non
                     "email_changed_at": _at(customer.email_changed_at),
                     "address_changed_at": _at(customer.address_changed_at)},
         "limits_id": limits.pk if limits else None, "rules_id": rules.pk if rules else None,
-        "now": now.isoformat(), "paused": paused, "breaker_open": breaker_open,
+        "now": now.isoformat(), "paused": paused, "breaker_open": breaker_open, "ledger_mismatch": ledger_mismatch,
     }
 
 
@@ -364,6 +384,7 @@ class Replay:
     breaker_open: bool
     limits_id: int | None
     rules_id: int | None
+    ledger_mismatch: bool = False  # recorded since reconciliation; older verdicts had none open to read
 
 
 _TOTAL_FIELDS = frozenset(Totals.__dataclass_fields__)
@@ -380,4 +401,4 @@ def replay_input(recorded: dict[str, Any], totals: dict[str, Any]) -> Replay:
                   totals=Totals(**{k: v for k, v in totals.items() if k in _TOTAL_FIELDS}),
                   now=datetime.fromisoformat(recorded["now"]), paused=recorded["paused"],
                   breaker_open=recorded["breaker_open"], limits_id=recorded["limits_id"],
-                  rules_id=recorded["rules_id"])
+                  rules_id=recorded["rules_id"], ledger_mismatch=recorded.get("ledger_mismatch", False))

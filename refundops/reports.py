@@ -18,7 +18,7 @@ from audit.models import AuditEntry, Verdict
 from processors.models import SandboxControl
 from refundops import breaker
 from refundops.errors import ApiError
-from refundops.models import COUNTING_STATES, Payment, PlatformState, Refund, RefundState
+from refundops.models import COUNTING_STATES, LedgerDiscrepancy, Payment, PlatformState, Refund, RefundState
 from refundops.selectors import active_limits, start_of_day
 from refundops.services.payouts import gateway_backlog
 
@@ -83,6 +83,7 @@ class Dashboard:
     disputed_with_refunds: int
     switches: Switches
     gateway_backlog: list[dict]  # approved refunds still waiting for their gateway, per gateway
+    open_discrepancies: int  # reconciliation: differences between a gateway's books and ours, open
     currencies: list[str] = field(default_factory=list)
 
 
@@ -187,4 +188,5 @@ def dashboard(*, now: datetime | None = None, days: int = DAYS) -> Dashboard:
         disputed_with_refunds=Payment.objects.filter(refunded, dispute_status=Payment.Dispute.OPEN)
         .distinct().count(),
         switches=switches(now=now), gateway_backlog=gateway_backlog(now=now),
+        open_discrepancies=LedgerDiscrepancy.objects.filter(status=LedgerDiscrepancy.Status.OPEN).count(),
         currencies=sorted({c.currency for c in per_currency} | set(reasons)))

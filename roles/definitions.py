@@ -37,7 +37,7 @@ _MONEY_READ = {"refundops.payment": "view", "refundops.customer": "view", "refun
 FINANCE_APPROVER = Role(
     name="finance approver", group="Finance approvers",
     does="decides held refunds, refunds and captures by hand, submits dispute evidence, proposes and "
-         "approves limits, link templates and merchant settings",
+         "approves limits, link templates and merchant settings, resolves ledger discrepancies",
     permissions=_perms({
         **_MONEY_READ,
         "refundops.refund": "view add approve_refund",
@@ -50,6 +50,8 @@ FINANCE_APPROVER = Role(
         "refundops.policydraft": "view add change",  # limits drafts (the service checks the kind)
         "approvals.approvalauthority": "view",
         "refundops.merchant": "view change",  # whether a merchant's agents must name their session
+        # Reconciliation: read the gateways' books against ours and resolve each difference with a note.
+        "refundops.ledgerdiscrepancy": "view resolve_discrepancy",
     }))
 
 FRAUD_ANALYST = Role(

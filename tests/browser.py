@@ -29,6 +29,7 @@ from refundops.models import (
     Dispute,
     DisputeEvidenceDraft,
     GatewayCustomer,
+    LedgerDiscrepancy,
     MerchantEndpoint,
     PaymentLink,
     PaymentLinkTemplate,
@@ -41,6 +42,7 @@ from refundops.models import (
 )
 from refundops.services import payouts
 from refundops.services.drafts import draft_fields
+from refundops.services.reconciliation import raise_discrepancy
 from refundops.services.refunds import request_refund
 from tests.conftest import make_agent_key, make_limits, make_payment, make_rules
 
@@ -111,6 +113,12 @@ def populate() -> World:
                                 object_id="sbre_1", verified=False, verification_error="signature does not match")
     GatewayCustomer.objects.create(processor="stripe", reference=f"cus_{uuid.uuid4().hex[:8]}",
                                    customer=approved_payment.customer)
+    mismatched = make_payment(amount=6_000)
+    raise_discrepancy(payment=mismatched, kind=LedgerDiscrepancy.Kind.PAID_NOT_SETTLED, actor="system:reconciler",
+                      gateway_reference=f"sbre_{uuid.uuid4().hex[:8]}",
+                      ours={"refund_id": "rf_demo", "amount_minor": 1_000, "currency": "USD", "status": "failed"},
+                      theirs={"amount_minor": 1_000, "currency": "USD", "status": "succeeded"},
+                      detail="sandbox paid 10.00 USD for rf_demo, which is failed here")
     return World(approved=Refund.objects.get(pk=approved["id"]), held=Refund.objects.get(pk=held["id"]),
                  held_big=Refund.objects.get(pk=held_big["id"]))
 

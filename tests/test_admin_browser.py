@@ -16,7 +16,7 @@ from playwright.sync_api import expect
 
 from approvals.models import ApprovalAuthority
 from refundops.callers import Caller
-from refundops.models import Payment, Refund, RefundState
+from refundops.models import LedgerDiscrepancy, Payment, Refund, RefundState
 from tests.browser import _orm_beside_playwright, admin_pages, admin_url, agent_refund, browser, log_in, populate, shot  # noqa: F401 (fixtures)
 from tests.conftest import make_agent_key
 
@@ -116,6 +116,26 @@ def test_every_admin_page_renders_in_chromium(live_server, browser):
         page.goto(live_server.url + url)
         expect(page.locator("h1")).to_have_text(heading)
         shot(page, f"root-{name}")
+
+    # Reconciliation: from the dashboard's tile to the open discrepancy, both sides, resolved with a note.
+    found = LedgerDiscrepancy.objects.get(status=LedgerDiscrepancy.Status.OPEN)
+    page.goto(live_server.url + "/admin/refundops/refund/dashboard/")
+    expect(page.locator("#reconciliation-tile .figure")).to_have_text("1")
+    page.click("#reconciliation-tile a")
+    expect(page.locator("#result_list")).to_contain_text(found.pk)
+    expect(page.locator("#result_list")).to_contain_text("failed 10.00 USD (rf_demo)")
+    expect(page.locator("#result_list")).to_contain_text("succeeded 10.00 USD")
+    shot(page, "root-reconciliation")
+    page.click("text=Resolve…")
+    expect(page.locator("#both-sides")).to_contain_text("failed 10.00 USD (rf_demo)")
+    page.fill("#id_note", "refunded by hand, gateway id noted")
+    shot(page, "root-reconciliation-resolve")
+    page.click("input[type=submit][value='Resolve']")
+    expect(page.locator(".messagelist")).to_contain_text(f"Resolved {found.pk}: refunded by hand")
+    found.refresh_from_db()
+    assert (found.status, found.resolved_by.username) == ("resolved", "root")
+    page.goto(live_server.url + "/admin/refundops/refund/dashboard/")
+    expect(page.locator("#reconciliation-tile .figure")).to_have_text("0")
     assert broken == []
 
 

@@ -120,7 +120,7 @@ def test_refund_window_at_the_second(db, offset):
     payment = make_payment(captured_days_ago=0)
     payment.captured_at = now - timedelta(days=30, seconds=offset)
     decision = evaluate_refund(payment=payment, ask=ASK, limits=limits, rules=None, totals=ZERO, now=now,
-                               paused=False, breaker_open=False)
+                               paused=False, breaker_open=False, ledger_mismatch=False)
     assert decision.code == ("REFUND_WINDOW_EXPIRED" if offset == OVER else "")
 
 
@@ -295,7 +295,7 @@ def test_contact_change_at_the_second(db, offset):
     now = timezone.now()
     payment = make_payment(customer=make_customer(email_changed_at=now - timedelta(days=7, seconds=offset)))
     decision = evaluate_refund(payment=payment, ask=ASK, limits=None, rules=rules, totals=ZERO, now=now,
-                               paused=False, breaker_open=False)
+                               paused=False, breaker_open=False, ledger_mismatch=False)
     assert ("RECENT_CONTACT_CHANGE" in decision.hold_reasons) is (offset != OVER)
 
 
@@ -425,5 +425,5 @@ def test_saving_hold_rules_writes_a_new_version(api, limits):
 def test_staff_decisions_ignore_the_agents_switches(db):
     limits, rules = make_limits(), make_rules()
     decision = evaluate_refund(payment=make_payment(), ask=replace(ASK, agent_id=None), limits=limits,
-                               rules=rules, totals=ZERO, now=timezone.now(), paused=True, breaker_open=True)
+                               rules=rules, totals=ZERO, now=timezone.now(), paused=True, breaker_open=True, ledger_mismatch=False)
     assert decision.outcome == "approved"

@@ -217,7 +217,7 @@ class Reference:
         payment, customer = self.rows[ask.payment], self.payments[ask.payment][0]
         payment.amount_reserved_minor = sum(p.amount for p in self.paid if p.payment == ask.payment)
         decision = evaluate_refund(
-            payment=payment, limits=self.limits, rules=self.rules, now=now, paused=False, breaker_open=False,
+            payment=payment, limits=self.limits, rules=self.rules, now=now, paused=False, breaker_open=False, ledger_mismatch=False,
             totals=reference_totals(self.paid, payment=ask.payment, customer=customer, ask=ask, now=now,
                                     cumulative_hours=self.limits.cumulative_window_hours),
             ask=RefundAsk(amount_minor=ask.amount, reason="duplicate", destination="original_method",

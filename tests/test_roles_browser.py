@@ -44,7 +44,7 @@ MAY = {
         "refundops.PaymentLink": "view", "refundops.PaymentLinkTemplate": "view add change",
         "refundops.RefundLimits": "view add change", "refundops.HoldRules": "view",
         "refundops.PolicyDraft": "view add change", "approvals.ApprovalAuthority": "view",
-        "refundops.Merchant": "view change"},
+        "refundops.Merchant": "view change", "refundops.LedgerDiscrepancy": "view"},
     "fraud analyst": {**MONEY_READ, "refundops.HoldRules": "view add change", "refundops.RefundLimits": "view",
                       "refundops.PolicyDraft": "view add change"},
     "operator": {

@@ -55,6 +55,7 @@ class LedgerDiscrepancy(models.Model):
                                     name="discrepancy_open_once"),
         ]
         indexes = [models.Index(fields=["status", "detected_at"])]
+        permissions = [("resolve_discrepancy", "Can resolve a ledger discrepancy, with a note")]
 
     def __str__(self) -> str:
         return f"{self.id} {self.kind} on {self.payment_id} ({self.status})"

@@ -131,7 +131,7 @@ def run_backtest(*, draft: PolicyDraft, days: int, now: datetime | None = None) 
         replay = replay_input(recorded, totals)
         decision = evaluate_refund(
             payment=replay.payment, ask=replay.ask, totals=replay.totals, now=replay.now, paused=replay.paused,
-            breaker_open=replay.breaker_open,
+            breaker_open=replay.breaker_open, ledger_mismatch=replay.ledger_mismatch,
             limits=version if is_limits else limits.get(replay.limits_id),
             rules=rules.get(replay.rules_id) if is_limits else version)
         amount = amount or 0

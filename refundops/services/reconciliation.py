@@ -34,6 +34,7 @@ from processors.base import (
     WebhookEvent,
 )
 from processors.registry import UnknownProcessor, get_processor
+from refundops.errors import ApiError
 from refundops.locks import lock_payment
 from refundops.models import LedgerDiscrepancy, Payment, PaymentOperation, Reason, Refund, RefundState
 
@@ -69,30 +70,24 @@ def raise_discrepancy(*, payment: Payment, kind: str, actor: str, refund: Refund
     return discrepancy
 
 
-class CannotResolve(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 @transaction.atomic
 def resolve_discrepancy(*, discrepancy_id: str, user, note: str) -> LedgerDiscrepancy:
-    """A person with the right (``refundops.resolve_discrepancy``, finance approvers) closes one
-    difference with a note saying what they did about it. Audited; the payment's hold lifts once
-    none of its differences is open."""
+    """A person with the right (``refundops.resolve_discrepancy``: finance approvers) closes one
+    difference with a note saying what was done about it. Audited; the payment's hold
+    (``LEDGER_MISMATCH``) lifts once none of its differences is open."""
     if not user.has_perm("refundops.resolve_discrepancy"):
-        raise CannotResolve("PERMISSION_DENIED", "Resolving a ledger discrepancy needs the finance "
-                                                 "approver role (permission refundops.resolve_discrepancy).")
+        raise ApiError("RESOLUTION_NOT_AUTHORIZED", "Resolving a ledger discrepancy needs the finance approver "
+                                                    "role (permission refundops.resolve_discrepancy).")
     note = (note or "").strip()
     if not note:
-        raise CannotResolve("NOTE_REQUIRED", "Say what was done about the difference (refunded by hand, "
-                                             "corrected at the gateway, …): a resolution needs a note.")
+        raise ApiError("VALIDATION_ERROR", "Say what was done about the difference (refunded by hand, corrected "
+                                           "at the gateway, …): a resolution needs a note.", field="note")
     discrepancy = LedgerDiscrepancy.objects.select_for_update().filter(pk=discrepancy_id).first()
     if discrepancy is None:
-        raise CannotResolve("DISCREPANCY_NOT_FOUND", f"No ledger discrepancy {discrepancy_id!r}.")
+        raise ApiError("DISCREPANCY_NOT_FOUND", f"No ledger discrepancy {discrepancy_id!r}.")
     if discrepancy.status != LedgerDiscrepancy.Status.OPEN:
-        raise CannotResolve("ALREADY_RESOLVED", f"{discrepancy.pk} was already resolved by "
-                                                f"{discrepancy.resolved_by} at {discrepancy.resolved_at:%Y-%m-%d %H:%M}.")
+        raise ApiError("DISCREPANCY_NOT_OPEN", f"{discrepancy.pk} was already resolved by {discrepancy.resolved_by} "
+                                               f"at {discrepancy.resolved_at:%Y-%m-%d %H:%M}: nothing to do.")
     discrepancy.status = LedgerDiscrepancy.Status.RESOLVED
     discrepancy.resolved_at, discrepancy.resolved_by, discrepancy.resolution_note = timezone.now(), user, note
     discrepancy.save(update_fields=["status", "resolved_at", "resolved_by", "resolution_note"])

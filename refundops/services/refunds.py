@@ -19,11 +19,12 @@ from refundops.answers import Answer, error_answer, refund_json, suggested_messa
 from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.inputs import RefundInput, ValidationFailed, could_be_id, for_the_record, has_nul, parse_refund
-from refundops.locks import lock_payment, lock_platform
-from refundops.models import RESERVING_STATES, Payment, PlatformState, PolicyDraft, Refund, RefundState
+from refundops.locks import lock_platform
+from refundops.models import RESERVING_STATES, LedgerDiscrepancy, Payment, PlatformState, PolicyDraft, Refund, RefundState
 from refundops.policy import (Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_input,
                               policy_version)
 from refundops.selectors import active_limits, active_rules, running_totals, shadow_drafts
+from refundops.services.reconciliation import open_discrepancy_on
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,7 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
             replay = idempotency.claim(scope, idempotency_key, operation, digest)
             if replay.record is not None:
                 return _replay(base, replay)
-        payment = lock_payment(ask.transaction_id, merchant_id=caller.merchant_id) if not dry_run else (
-            Payment.objects.select_related("customer").filter(pk=ask.transaction_id).filter(
-                **({"merchant_id": caller.merchant_id} if caller.merchant_id else {})).first())
+        payment = _payment_to_decide_on(ask.transaction_id, lock=not dry_run, merchant_id=caller.merchant_id)
         if payment is None:
             message = (f"No payment {ask.transaction_id!r}. Check the transaction id (it starts with "
                        f"'txn_') with the customer's order.")
@@ -99,6 +98,17 @@ def _with_session(caller: Caller, ask: RefundInput, now: datetime) -> RefundInpu
                                                    "refund to name the agent's session (your conversation id)")
     session = caller.session_id_for("", now)
     return dataclasses.replace(ask, agent=dataclasses.replace(ask.agent, session_id=session))
+
+
+def _payment_to_decide_on(payment_id: str, *, lock: bool, merchant_id: str | None) -> Payment | None:
+    """The payment (locked, unless only checking; None when it is not ``merchant_id``'s, as
+    refundops.locks.lock_payment), and in the same statement whether one of its reconciliation
+    discrepancies is open (``ledger_mismatch``): the policy holds agent refunds then."""
+    payments = Payment.objects.select_related("customer").annotate(ledger_mismatch=open_discrepancy_on())
+    if lock:
+        payments = payments.select_for_update(of=("self",))
+    payments = payments.filter(pk=payment_id)
+    return (payments.filter(merchant_id=merchant_id) if merchant_id else payments).first()
 
 
 def _replay(base: dict[str, Any], replay: idempotency.Replay) -> Answer:
@@ -138,9 +148,11 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
                                 exclude_refund_id=exclude_refund_id)
         # What the policy read, kept on the verdict so a draft policy can be replayed on it.
         verdict.policy_input = policy_input(payment=locked, ask=refund_ask, limits=limits, rules=rules, now=now,
-                                            paused=paused, breaker_open=breaker_open)
+                                            paused=paused, breaker_open=breaker_open,
+                                            ledger_mismatch=locked.ledger_mismatch)
         return evaluate_refund(payment=locked, limits=limits, rules=rules, totals=totals, now=now, ask=refund_ask,
-                               paused=paused, breaker_open=breaker_open), totals
+                               paused=paused, breaker_open=breaker_open,
+                               ledger_mismatch=locked.ledger_mismatch), totals
 
     verdict = Verdict(**base, payment_id=payment.pk, currency=payment.currency,
                       policy_version=policy_version(limits, rules))
@@ -172,7 +184,8 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     decision = confirmed
     verdict.refund_id = refund.pk if refund else ""
     verdict.shadow = _shadow(shadows, decision, payment=locked, ask=refund_ask, limits=limits, rules=rules,
-                             totals=totals, now=now, paused=verdict.policy_input["paused"], breaker_open=breaker_open)
+                             totals=totals, now=now, paused=verdict.policy_input["paused"], breaker_open=breaker_open,
+                             ledger_mismatch=locked.ledger_mismatch)
     _fill_verdict(verdict, decision, totals).save()  # the refund points at it; the FK is checked at commit
     if refund is not None:
         if refund.status == RefundState.APPROVED and caller.is_agent:
@@ -209,7 +222,9 @@ def decide_resubmission(*, refund: Refund, caller: Caller, note: str, now: datet
                             cumulative_hours=limits.cumulative_window_hours if limits else 24,
                             exclude_refund_id=refund.pk)
     decision = evaluate_resubmission(payment=payment, ask=ask, limits=limits, rules=rules, totals=totals, now=now,
-                                     approver=caller.user.get_username())
+                                     approver=caller.user.get_username(),
+                                     ledger_mismatch=LedgerDiscrepancy.objects.filter(
+                                         payment_id=payment.pk, status=LedgerDiscrepancy.Status.OPEN).exists())
     verdict = Verdict(operation=RESUBMIT, payment_id=payment.pk, refund_id=refund.pk, currency=payment.currency,
                       policy_version=policy_version(limits, rules), request={"refund_id": refund.pk, "note": note},
                       **caller.verdict_fields())
@@ -218,14 +233,14 @@ def decide_resubmission(*, refund: Refund, caller: Caller, note: str, now: datet
 
 
 def _shadow(drafts: list[PolicyDraft], decision: Decision, *, payment, ask: RefundAsk, limits, rules,
-            totals: Totals, now: datetime, paused: bool, breaker_open: bool) -> dict[str, Any]:
+            totals: Totals, now: datetime, paused: bool, breaker_open: bool, ledger_mismatch: bool) -> dict[str, Any]:
     """What each draft running in shadow would decide on this very input, beside the decision that
     binds; recorded on the verdict, never enforced. The totals are the active version's: a draft
     that changes a window's length is judged on the active window here (its backtest too)."""
     seen = {}
     for draft in drafts:
         mine = evaluate_refund(payment=payment, ask=ask, totals=totals, now=now, paused=paused,
-                               breaker_open=breaker_open,
+                               breaker_open=breaker_open, ledger_mismatch=ledger_mismatch,
                                limits=draft.as_version() if draft.kind == PolicyDraft.Kind.LIMITS else limits,
                                rules=draft.as_version() if draft.kind == PolicyDraft.Kind.RULES else rules)
         seen[draft.pk] = {"kind": draft.kind, "outcome": mine.outcome, "code": mine.code,
