@@ -6,7 +6,7 @@ from django.db import migrations
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('refundops', '0007_hold_rules_v1'),
+        ('refundops', '0010_outbox_message'),
     ]
 
     operations = [
