@@ -4,7 +4,7 @@ The dashboard counts what is open."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 from django.contrib.auth.models import Permission, User
@@ -108,7 +108,7 @@ def test_a_resolved_discrepancy_found_again_is_a_new_open_row() -> None:
 
 def test_staff_refunds_are_not_held_for_it_the_policy_is_told_the_fact() -> None:
     payment = make_payment()
-    totals = Totals(*([0] * 10))
+    totals = Totals(**{f.name: 0 for f in fields(Totals)})
     agent = RefundAsk(amount_minor=100, reason="customer_request", destination="original_method",
                       agent_id="ag_1", session_id="")
     decide = dict(payment=payment, limits=None, rules=None, totals=totals, now=timezone.now(), paused=False,

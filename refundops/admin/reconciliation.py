@@ -30,8 +30,9 @@ def book_side(side: dict[str, Any]) -> str:
         return f"no such {what}"
     currency = side.get("currency", "")
     words = [str(side["status"])] if side.get("status") else []
-    if side.get("amount_minor") is not None:
-        words.append(format_minor(side["amount_minor"], currency))
+    amount = side.get("amount_minor", side.get("amount"))  # the worker's records say "amount"
+    if isinstance(amount, int) and currency:
+        words.append(format_minor(amount, currency))
     if side.get("captured_minor") is not None:
         words.append(f"captured {format_minor(side['captured_minor'], currency)}")
     if side.get("refunded_minor") is not None:

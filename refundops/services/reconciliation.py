@@ -236,18 +236,13 @@ def _compare(payment: Payment, book: PaymentBook | None, *, read_at: datetime) -
                 raise_(Kind.UNKNOWN_REFUND, theirs.processor_refund_id, ours={"refund": None}, theirs=gateway_side,
                        detail=f"{payment.processor} refund {theirs.processor_refund_id} names our refund "
                               f"{theirs.our_refund_id}, which this payment does not have.")
-            elif _fits(payment, refunds, theirs):
-                recorded = _record_external(payment, theirs)
-                if isinstance(recorded, LedgerDiscrepancy):  # ours on their way to the gateway take the room
-                    check.discrepancies.append(recorded)
-                else:
+            else:  # made on the gateway directly: recorded as its webhook would, or raised where it cannot fit
+                recorded, raised = _record_external(payment, theirs)
+                if recorded is not None:
                     refunds.append(recorded)
                     check.recorded.append(recorded.pk)
-            else:
-                raise_(Kind.UNKNOWN_REFUND, theirs.processor_refund_id, ours=_ledger(payment), theirs=gateway_side,
-                       detail=f"{payment.processor} refund {theirs.processor_refund_id} of {theirs.amount} was "
-                              f"made on the gateway directly and does not fit in what our ledger still has "
-                              f"refundable: refund the difference back or correct our records.")
+                if raised is not None:
+                    check.discrepancies.append(raised)
             continue
         ours_side = _ours(mine)
         if (mine.amount_minor, mine.currency) != (theirs.amount.amount_minor, theirs.amount.currency):
@@ -295,31 +290,19 @@ def _ours(refund: Refund) -> dict[str, Any]:
             "status": refund.status, "processor_refund_id": refund.processor_refund_id}
 
 
-def _ledger(payment: Payment) -> dict[str, Any]:
-    return {"captured_minor": payment.amount_captured_minor, "refunded_minor": payment.amount_refunded_minor,
-            "reserved_minor": payment.amount_reserved_minor, "currency": payment.currency}
-
-
-def _fits(payment: Payment, refunds: list[Refund], theirs: GatewayRefund) -> bool:
-    """Whether a refund made on the gateway directly fits beside ours already at the gateway (ours
-    still waiting to be sent are canceled to make room, as the webhook path does)."""
-    at_gateway = sum(r.amount_minor for r in refunds if r.status in (RefundState.SUBMITTED, RefundState.SETTLED))
-    return (theirs.amount.currency == payment.currency
-            and at_gateway + theirs.amount.amount_minor <= payment.amount_captured_minor)
-
-
-def _record_external(payment: Payment, theirs: GatewayRefund) -> Refund | LedgerDiscrepancy:
-    """As the webhook path records it (whose event was lost, or is still to come); where it finds
-    no room after all, the discrepancy it raised."""
+def _record_external(payment: Payment, theirs: GatewayRefund) -> tuple[Refund | None, LedgerDiscrepancy | None]:
+    """As the webhook path records it (its event was lost, or is still to come): the refund, or
+    where it does not fit beside ours, the discrepancy ``record_external_refund`` raised instead."""
     from refundops.services.gateway_events import STRIPE_REASONS, record_external_refund  # imports payouts
 
     event = WebhookEvent(processor=payment.processor, event_id=f"reconcile:{theirs.processor_refund_id}",
                          type="reconcile", object_id=theirs.processor_refund_id)
     record_external_refund(payment_id=payment.pk, result=theirs.result, event=event, made_at=theirs.created_at,
                            reason=STRIPE_REASONS.get(theirs.reason, Reason.CUSTOMER_REQUEST))
-    return (Refund.objects.filter(payment=payment, processor_refund_id=theirs.processor_refund_id).first()
-            or LedgerDiscrepancy.objects.get(payment=payment, kind=Kind.UNKNOWN_REFUND, status=LedgerDiscrepancy.Status.OPEN,
-                                             gateway_reference=theirs.processor_refund_id))
+    recorded = Refund.objects.filter(payment=payment, processor_refund_id=theirs.processor_refund_id).first()
+    raised = None if recorded is not None else LedgerDiscrepancy.objects.filter(
+        payment=payment, gateway_reference=theirs.processor_refund_id, status=LedgerDiscrepancy.Status.OPEN).first()
+    return recorded, raised
 
 
 def discrepancy_json(discrepancy: LedgerDiscrepancy, *, seen_since: datetime | None = None) -> dict[str, Any]:
