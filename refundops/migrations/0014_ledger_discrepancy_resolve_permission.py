@@ -6,7 +6,7 @@ from django.db import migrations
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('refundops', '0012_limits_cumulative_window'),
+        ('refundops', '0013_merchants'),
     ]
 
     operations = [
