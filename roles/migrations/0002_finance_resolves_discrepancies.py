@@ -13,6 +13,6 @@ def resync_roles(apps, schema_editor):
 class Migration(migrations.Migration):
     dependencies = [
         ("roles", "0001_roles"),
-        ("refundops", "0014_ledger_discrepancy_resolve_permission"),
+        ("refundops", "0015_ledger_discrepancy_resolve_permission"),
     ]
     operations = [migrations.RunPython(resync_roles, migrations.RunPython.noop)]

@@ -6,7 +6,7 @@ from django.db import migrations
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('refundops', '0013_merchants'),
+        ('refundops', '0014_policy_draft'),
     ]
 
     operations = [
