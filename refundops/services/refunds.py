@@ -20,7 +20,8 @@ from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.inputs import RefundInput, ValidationFailed, could_be_id, for_the_record, has_nul, parse_refund
 from refundops.locks import lock_platform
-from refundops.models import RESERVING_STATES, LedgerDiscrepancy, Payment, PlatformState, PolicyDraft, Refund, RefundState
+from refundops.models import (RESERVING_STATES, LedgerDiscrepancy, Payment, PlatformState, PolicyDraft, Refund,
+                              RefundState)
 from refundops.policy import (Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_input,
                               policy_version)
 from refundops.selectors import active_limits, active_rules, running_totals, shadow_drafts
