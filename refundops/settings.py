@@ -290,6 +290,7 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "ENUM_NAME_OVERRIDES": {"OutcomeEnum": ["approved", "held", "denied"]},
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "refundops.api.schema.strict_requests"],
 }
 
 # The sandbox gateway (and its webhook route and payment page): on in development; in production

@@ -238,6 +238,7 @@ GENERIC: dict[str, Callable[[Ctx], Any]] = {
     "VALIDATION_ERROR": lambda ctx: ctx.call(body=ctx.body(unexpected=1)),
     "IDEMPOTENCY_KEY_REQUIRED": lambda ctx: ctx.call(idempotency=False),
     "IDEMPOTENCY_KEY_REUSED": _reused,
+    "PAYLOAD_TOO_LARGE": lambda ctx: ctx.call(body=ctx.body(note="x" * 70_000)),
 }
 
 SPECIFIC: dict[tuple[str, str], Callable[[Ctx], Any]] = {

@@ -11,6 +11,7 @@ from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework import serializers
 
 from refundops.errors import ERROR_STATUS
+from refundops.inputs import MAX_AMOUNT_MINOR
 from refundops.models import Reason
 
 
@@ -175,7 +176,8 @@ class ErrorOut(serializers.Serializer):
 # body, its Idempotency-Key, and the rate-limit store (calls that change anything fail closed).
 # IDEMPOTENCY_KEY_REUSED is every POST's but the dry run's, which claims no key.
 KEY_CHECKS = ("UNAUTHENTICATED", "CAPABILITY_NOT_GRANTED", "RATE_LIMITED")
-POST_CHECKS = (*KEY_CHECKS, "SERVICE_UNAVAILABLE", "VALIDATION_ERROR", "IDEMPOTENCY_KEY_REQUIRED")
+POST_CHECKS = (*KEY_CHECKS, "SERVICE_UNAVAILABLE", "VALIDATION_ERROR", "IDEMPOTENCY_KEY_REQUIRED",
+               "PAYLOAD_TOO_LARGE")
 
 
 def errors(*codes: str) -> dict[int, OpenApiResponse]:
@@ -283,3 +285,44 @@ class EvidenceDraftCreated(serializers.Serializer):
     verdict = VerdictOut()
     deduplicated = serializers.BooleanField()
 
+
+
+# -- the request schemas as strict as the services ---------------------------------------------------
+
+NO_NUL = "^[^\\x00]*$"  # PostgreSQL text holds no U+0000: such text is a VALIDATION_ERROR
+NOT_BLANK = "^[^\\x00]*[^\\x00\\s][^\\x00]*$"  # required texts are stripped, then must not be empty
+ONE_OF = {  # fields of which the service takes exactly one / at least one
+    "PaymentLinkInRequest": {"oneOf": [{"required": ["transaction_id"]}, {"required": ["order_reference"]}]},
+    "EvidenceDraftInRequest": {"anyOf": [{"required": [name], "properties": {name: {"pattern": NOT_BLANK}}}
+                                         for name in ("summary", "customer_communication", "refund_policy",
+                                                      "shipping_documentation")]},
+}
+
+
+def strict_requests(result, generator, request, public):
+    """drf-spectacular post-processing: what the document says a request may hold is what the
+    services accept (unknown fields, U+0000, blank required texts, amounts over the cap and over-long
+    Idempotency-Keys are each a VALIDATION_ERROR or IDEMPOTENCY_KEY_REQUIRED), so a generated
+    request that fits the document reaches a decision."""
+    for name, component in result.get("components", {}).get("schemas", {}).items():
+        if not name.endswith("InRequest"):
+            continue
+        component["additionalProperties"] = False
+        component.update(ONE_OF.get(name, {}))
+        for field, prop in component.get("properties", {}).items():
+            if prop.get("type") == "string" and "enum" not in prop:
+                prop["pattern"] = NOT_BLANK if field in component.get("required", []) else NO_NUL
+            if prop.get("type") == "integer":
+                prop["maximum"] = MAX_AMOUNT_MINOR
+    for methods in result.get("paths", {}).values():
+        for operation in methods.values():
+            body = operation.get("requestBody")
+            if body and operation.get("operationId") != "void_authorization":  # a void may have no body
+                body["required"] = True
+            for parameter in operation.get("parameters", []):
+                if parameter["name"] == "Idempotency-Key":
+                    parameter["schema"] = {"type": "string", "minLength": 1, "maxLength": 255, "pattern": NOT_BLANK}
+                elif parameter["in"] == "path":  # ids are ours: letters, digits and _.:- (refundops.inputs)
+                    parameter["schema"] = {"type": "string", "minLength": 1, "maxLength": 40,
+                                           "pattern": "^[A-Za-z0-9_.:-]+$"}
+    return result
