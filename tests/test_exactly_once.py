@@ -331,3 +331,69 @@ def test_the_gateways_news_of_a_refund_whose_answer_was_unknown_resolves_that_at
     refund.refresh_from_db()
     assert refund.status == S.SETTLED and refund.processor_refund_id == made["id"]
     assert list(refund.attempts.values_list("outcome", "processor_refund_id")) == [(O.SUCCEEDED, made["id"])]
+
+
+# -- review 8: a refund of someone else's that carries our refund id in its metadata -------------------
+def refund_on_gateway_naming(refund: Refund, payment: Payment, amount: int) -> str:
+    """A refund made on the gateway directly (dashboard, another integration) on ``payment`` for
+    ``amount``, whose metadata names our ``refund`` (copied, or forged)."""
+    made = get_processor("stripe").refund(RefundRequest(
+        payment=payouts.payment_ref(payment), amount=Money(amount, payment.currency), reason="duplicate",
+        idempotency_key=f"dashboard:{payment.pk}:{amount}", refund_id=refund.pk, verdict_id=""))
+    return made.processor_refund_id
+
+
+def deliver_refund_event(stripe_fake: FakeStripe, processor_refund_id: str):
+    from django.test import Client
+
+    from tests.fakes.fixtures import STRIPE_WEBHOOK_SECRET, post_stripe_event, stripe_event
+
+    with stripe_fake.lock:
+        body = dict(stripe_fake.refunds[processor_refund_id])
+    return post_stripe_event(Client(), stripe_event("charge.refund.updated", body), secret=STRIPE_WEBHOOK_SECRET)
+
+
+@pytest.mark.django_db
+def test_a_refund_on_another_payment_naming_our_refund_is_not_taken_for_it(gateways, stripe_fake):
+    ours = approved_refund(stripe_payment(stripe_fake, 5_000), 1_000)
+    other = stripe_payment(stripe_fake, 5_000)
+    made = refund_on_gateway_naming(ours, other, 5_000)
+
+    assert deliver_refund_event(stripe_fake, made).status_code == 200
+
+    ours.refresh_from_db()
+    assert (ours.status, ours.processor_refund_id) == (S.APPROVED, "")  # still ours to pay
+    other.refresh_from_db()
+    assert other.refunds.get().processor_refund_id == made  # recorded where the money left
+    assert other.refundable_minor == 0
+
+
+@pytest.mark.django_db
+def test_a_refund_of_another_amount_naming_our_refund_is_recorded_beside_it(gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    ours = approved_refund(payment, 1_000)
+    made = refund_on_gateway_naming(ours, payment, 3_000)
+
+    assert deliver_refund_event(stripe_fake, made).status_code == 200
+
+    ours.refresh_from_db()
+    assert (ours.status, ours.processor_refund_id) == (S.APPROVED, "")
+    payouts.submit_refund(refund_id=ours.pk)
+    ours.refresh_from_db()
+    assert ours.status in (S.SUBMITTED, S.SETTLED) and ours.processor_refund_id != made
+    payment.refresh_from_db()
+    assert payment.refundable_minor == 1_000  # 5,000 - 3,000 (theirs) - 1,000 (ours), as the gateway has it
+
+
+@pytest.mark.django_db
+def test_an_unknown_answer_is_not_resolved_by_a_refund_of_another_amount_naming_it(gateways, stripe_fake):
+    payment = stripe_payment(stripe_fake, 5_000)
+    ours = approved_refund(payment, 1_000)
+    attempt(ours, O.UNKNOWN)
+    made = refund_on_gateway_naming(ours, payment, 3_000)
+
+    payouts.submit_refund(refund_id=ours.pk)
+
+    ours.refresh_from_db()
+    assert ours.status in (S.SUBMITTED, S.SETTLED) and ours.processor_refund_id not in ("", made)
+    assert stripe_fake.refund_count == 2

@@ -205,8 +205,13 @@ def _our_refund(processor: str, account: str, clues: RefundClues, result: Refund
     if clues.our_refund_id and result.status in ("pending", "succeeded"):
         # Ours, before the worker recorded the gateway's answer. A failed or canceled refund
         # named only by metadata may be an earlier attempt of a resubmitted refund: the worker
-        # records its own attempt's answer.
-        return gateway_refunds.filter(pk=clues.our_refund_id, processor_refund_id="").first()
+        # records its own attempt's answer. Metadata can be copied or typed on the gateway's
+        # dashboard: only a refund of our refund's own payment, for its amount, is taken for it;
+        # any other is recorded where its money left.
+        return gateway_refunds.filter(
+            pk=clues.our_refund_id, processor_refund_id="",
+            payment__processor_reference__in=[ref for ref in clues.payment_references if ref],
+            amount_minor=result.amount.amount_minor, currency=result.amount.currency).first()
     return None
 
 

@@ -138,8 +138,10 @@ def resolve_unknown_attempts(*, refund_id: str) -> Refund:
     # Gateway refunds of this refund that earlier submissions (failed, then resubmitted) made are not news.
     earlier = set(refund.attempts.exclude(idempotency_key=attempts.idempotency_key(refund))
                   .exclude(processor_refund_id="").values_list("processor_refund_id", flat=True))
+    # One the gateway made for this refund carries its id and its amount; metadata alone can be
+    # copied onto a refund of another amount made on the gateway's dashboard (that one is external).
     found = [r for r in book.refunds if r.our_refund_id == refund.pk and r.processor_refund_id not in earlier
-             and r.status in ("pending", "succeeded")]
+             and r.amount == refund.money and r.status in ("pending", "succeeded")]
     with transaction.atomic():
         refund = _lock(refund_id)
         if not attempts.unresolved(refund):
