@@ -85,6 +85,8 @@ def check_rate_limits(*, caller: Caller, session_id: str | None = None, moves_mo
     if caller.agent is None:
         return
     now = time.time() if now is None else now
+    if session_id and len(session_id) > TEXT_LIMITS["session_id"]:
+        session_id = None  # refused when the body is validated (REST and MCP alike): names no window
     if moves_money:  # no session named: the key's session for this hour
         session_id = caller.session_id_for(session_id or "", datetime.fromtimestamp(now, UTC))
     scopes = scopes_for(agent_id=caller.agent.id, session_id=session_id)

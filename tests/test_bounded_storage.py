@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from django.urls import include, path
 from audit.models import Verdict
 from processors.models import InboundEvent
 from processors.redis_client import redis_key
+from refundops.callers import Caller
 from refundops.inputs import STORED_TEXT_LIMIT
 from tests.conftest import make_payment, post
 
@@ -61,14 +63,18 @@ def test_a_deep_body_is_kept_to_a_bounded_depth(api, policy):
     assert "SECRET" not in json.dumps(verdict.request)
 
 
-def test_a_session_id_past_its_limit_names_no_redis_window(api, policy, settings):
+def test_a_session_id_past_its_limit_names_no_redis_window_of_its_own(api, policy, settings):
     settings.RATE_LIMIT_SESSION_PER_MINUTE = 100
     payment = make_payment()
     response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "reason": "duplicate",
                                              "agent": {"session_id": "s" * 5_000}})
     assert response.status_code == 400 and response.json()["error"]["field"] == "agent.session_id"
     client = redis.Redis.from_url(settings.REDIS_URL)
-    assert list(client.scan_iter(match=redis_key("rl:session:*"))) == []
+    # The request counts in the key's session for this hour (as one naming no session), not in one
+    # named after the 5,000 characters.
+    hour = Caller.for_key(api.key).session_id_for("", datetime.now(UTC))
+    expected = redis_key(f"rl:session:{api.key.agent_id}:{hashlib.sha256(hour.encode()).hexdigest()[:32]}")
+    assert [k.decode() for k in client.scan_iter(match=redis_key("rl:session:*"))] == [expected]
     assert list(client.scan_iter(match=redis_key("rl:agent:*")))  # the agent's window counted it
 
 
