@@ -88,6 +88,11 @@ class SandboxProcessor:
             with transaction.atomic():
                 charge = SandboxCharge.objects.select_for_update().get(
                     reference=request.payment.reference)
+                # Again under the lock: a call with this key that got here first has its refund by
+                # now, and that refund is the answer (not a decline for the room it took).
+                existing = SandboxRefund.objects.filter(idempotency_key=request.idempotency_key).first()
+                if existing is not None:
+                    return self._result(existing)
                 if charge.currency != request.amount.currency:
                     raise ProcessorDeclined("currency does not match the charge", code="currency_mismatch")
                 if charge.refunded_minor + request.amount.amount_minor > charge.captured_minor:

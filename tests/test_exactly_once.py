@@ -397,3 +397,27 @@ def test_an_unknown_answer_is_not_resolved_by_a_refund_of_another_amount_naming_
     ours.refresh_from_db()
     assert ours.status in (S.SUBMITTED, S.SETTLED) and ours.processor_refund_id not in ("", made)
     assert stripe_fake.refund_count == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_sandbox_answers_a_concurrent_duplicate_with_the_first_refund_never_a_decline():
+    """The sandbox promises a repeated key the first refund. Two calls with one key at once (a
+    worker whose lease ran out mid-call, and the one that took over) both looked the key up before
+    either had written, and the second was declined amount_too_large: a decline that fails a refund
+    the first call paid. The key is looked up again under the charge's lock."""
+    sandbox.set_mode("up", settle_delay_seconds=0)
+    payment = make_payment(amount=5_000)
+    refund = approved_refund(payment, 5_000)
+    request = RefundRequest(payment=payouts.payment_ref(payment), amount=refund.money, reason=refund.reason,
+                            idempotency_key=attempts.idempotency_key(refund), refund_id=refund.pk, verdict_id="")
+
+    def call(i: int) -> str:
+        try:
+            return get_processor("sandbox").refund(request).processor_refund_id
+        except Exception as exc:  # noqa: BLE001 - the answer under test
+            return f"{type(exc).__name__}: {getattr(exc, 'code', exc)}"
+
+    answers = race(8, call)
+
+    made = SandboxRefund.objects.get(charge__reference=payment.processor_reference)
+    assert answers == [made.reference] * 8
