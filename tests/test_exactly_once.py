@@ -421,3 +421,36 @@ def test_the_sandbox_answers_a_concurrent_duplicate_with_the_first_refund_never_
 
     made = SandboxRefund.objects.get(charge__reference=payment.processor_reference)
     assert answers == [made.reference] * 8
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_webhook_and_a_second_worker_during_the_first_workers_call_pay_once_and_agree(gateways, stripe_fake):
+    """The gateway acts, its event comes in, and another worker picks the refund up, all while the
+    first worker still waits for its answer."""
+    import time
+
+    refund = approved_refund(stripe_payment(stripe_fake, 5_000), 5_000)
+    stripe_fake.set_mode("slow_after", slow_seconds=1.5, requests=1, path="/v1/refunds")
+
+    def work(i: int) -> str:
+        if i == 0:
+            return payouts.submit_refund(refund_id=refund.pk).status
+        while not stripe_fake.refund_count:
+            time.sleep(0.02)
+        if i == 1:
+            return str(deliver_refund_event(stripe_fake, next(iter(stripe_fake.refunds))).status_code)
+        try:
+            return payouts.submit_refund(refund_id=refund.pk).status
+        except attempts.RetryLater:
+            return "retry later"
+
+    outcomes = race(3, work)
+
+    refund.refresh_from_db()
+    assert stripe_fake.refund_count == 1 and refund_posts(stripe_fake) == 1, outcomes
+    assert outcomes[1] == "200"
+    assert (refund.status, refund.processor_refund_id) == (S.SETTLED, next(iter(stripe_fake.refunds)))
+    assert set(refund.attempts.values_list("outcome", flat=True)) == {O.SUCCEEDED}
+    assert not LedgerDiscrepancy.objects.exists()
+    payment = Payment.objects.get(pk=refund.payment_id)
+    assert payment.refundable_minor == 0 and payment.amount_refunded_minor == 5_000
