@@ -118,6 +118,18 @@ def create_migrated_database(url: str, env: dict[str, str]) -> None:
         conn.execute(f'CREATE DATABASE "{template}" TEMPLATE "{name}"')
 
 
+def drop_database(url: str) -> None:
+    import psycopg
+
+    if "django" in sys.modules:
+        from django.db import connections
+
+        connections.close_all()
+    parts = urlsplit(url)
+    with psycopg.connect(urlunsplit(parts._replace(path="/postgres")), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{parts.path.lstrip("/")}" WITH (FORCE)')
+
+
 class PrivateRedis:
     """A redis-server of the harness's own on a free port, no persistence: a restart loses everything."""
 
@@ -757,6 +769,8 @@ class Harness:
             self.merchant.server.shutdown()
         if not self.args.keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
+            if getattr(self, "db_url", None):  # the migrated template stays, for the next run
+                drop_database(self.db_url)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -773,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="duplicate_submission only races our workers, never sends the gateway request twice")
     parser.add_argument("--events", choices=("all", "money"), default="all",
                         help="what the merchant's endpoint subscribes to: every state, or " + ", ".join(MONEY_EVENTS))
-    parser.add_argument("--keep", action="store_true", help="keep the work directory (worker logs)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (worker logs) and the database")
     parser.add_argument("--verbose", action="store_true", help="the product's errors in this process too")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
