@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
+import uvicorn
 from django.conf import settings
 from django.db import connection
 from django.utils import timezone
@@ -210,3 +213,22 @@ def api(agent_key):
 
 def post(client: APIClient, path: str, body, *, key: str | None = None):
     return client.post(path, body, format="json", HTTP_IDEMPOTENCY_KEY=key or uuid.uuid4().hex)
+
+
+@pytest.fixture(scope="session")
+def served(django_db_setup) -> Iterator[str]:
+    """``uvicorn refundops.asgi:application`` in a thread, on a free port of 127.0.0.1: one per run,
+    since the MCP session manager in the app's lifespan starts once per process."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config("refundops.asgi:application", lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    sock.close()

@@ -13,7 +13,6 @@ import pytest
 
 from refundops.models import Capability, Refund
 from tests.conftest import make_agent_key, make_payment
-from tests.test_mcp_http import served  # noqa: F401 - uvicorn on a free port, the fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.django_db(transaction=True)

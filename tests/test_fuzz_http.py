@@ -24,7 +24,6 @@ from hypothesis import HealthCheck, given, settings as hypothesis_settings, stra
 from refundops.models import Dispute, PaymentLinkTemplate, Refund
 from refundops.services.refunds import sync_payment_amounts
 from tests.conftest import make_agent_key, make_limits, make_payment, make_rules
-from tests.test_mcp_http import served  # noqa: F401  (uvicorn in a thread, on a free port)
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the server sees committed rows only
 

@@ -6,18 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
 import pytest
-import uvicorn
 from django.db import connection
 from django.utils import timezone
 from mcp import ClientSession
@@ -31,24 +27,6 @@ from tests.conftest import make_agent_key, make_payment
 ROOT = Path(__file__).resolve().parent.parent
 # The servers run on their own connections: they see only committed rows.
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(scope="module")
-def served(django_db_setup) -> Iterator[str]:
-    """``uvicorn refundops.asgi:application`` in a thread, on a free port of 127.0.0.1."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config("refundops.asgi:application", lifespan="on", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
 
 
 def database_url() -> str:
