@@ -454,3 +454,35 @@ def test_a_webhook_and_a_second_worker_during_the_first_workers_call_pay_once_an
     assert not LedgerDiscrepancy.objects.exists()
     payment = Payment.objects.get(pk=refund.payment_id)
     assert payment.refundable_minor == 0 and payment.amount_refunded_minor == 5_000
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_look_up_never_settles_a_call_that_started_after_the_gateway_was_read(gateways, stripe_fake):
+    """A slow look-up reads the gateway's book; meanwhile another worker's call goes out and its
+    answer is lost. The old book cannot say that call made nothing: it is looked up again, not
+    marked absent and called once more (a forgotten key would then pay twice)."""
+    import time
+
+    refund = approved_refund(stripe_payment(stripe_fake, 5_000), 5_000)
+    first = attempt(refund, O.UNKNOWN)
+    GatewayAttempt.objects.filter(pk=first.pk).update(started_at=timezone.now() - timedelta(minutes=5))
+    stripe_fake.set_mode("slow_after", slow_seconds=1.5, requests=1, path="/v1/refunds")
+
+    def work(i: int) -> str:
+        if i == 0:
+            return payouts.resolve_unknown_attempts(refund_id=refund.pk).status
+        while not any(r.method == "GET" and r.path == "/v1/refunds" for r in list(stripe_fake.received)):
+            time.sleep(0.02)
+        # another worker: looked the first call up (nothing), called again, and lost the answer
+        GatewayAttempt.objects.filter(pk=first.pk).update(outcome=O.ABSENT)
+        attempt(refund, O.UNKNOWN)
+        return pay_at_gateway_behind_our_back(refund)
+
+    _, paid = race(2, work)
+
+    assert refund.attempts.order_by("started_at").last().outcome != O.ABSENT
+    stripe_fake.forget_idempotency_keys()
+    payouts.submit_refund(refund_id=refund.pk)
+    refund.refresh_from_db()
+    assert (refund.status, refund.processor_refund_id) == (S.SETTLED, paid)
+    assert stripe_fake.refund_count == 1

@@ -41,13 +41,6 @@ def idempotency_key(refund: Refund) -> str:
     return f"refundops:{refund.pk}:{refund.submit_attempts}"
 
 
-def expire_leases(refund: Refund, *, now=None) -> int:
-    """Live attempts whose lease ran out have an unknown answer. The refund's row lock is held."""
-    return refund.attempts.filter(outcome=Outcome.LIVE, lease_until__lte=now or timezone.now()).update(
-        outcome=Outcome.UNKNOWN, finished_at=now or timezone.now(),
-        error_code="lease_expired", error_message="The worker's lease ran out before the gateway's answer was recorded.")
-
-
 def unresolved(refund: Refund, *, now=None) -> list[GatewayAttempt]:
     """Attempts whose answer is not known: unknown ones, and live ones whose lease has run out."""
     now = now or timezone.now()
@@ -90,11 +83,14 @@ def close_attempt(attempt: GatewayAttempt, outcome: str, *, processor_refund_id:
 
 
 @transaction.atomic
-def settle_unresolved(refund: Refund, outcome: str, *, processor_refund_id: str = "", why: str = "") -> int:
-    """After a look-up at the gateway: every unresolved attempt of the refund gets what was found.
-    The refund's row lock is held by the caller."""
+def settle_unresolved(refund: Refund, outcome: str, *, started_before, processor_refund_id: str = "",
+                      why: str = "") -> int:
+    """After a look-up at the gateway: every unresolved attempt of the refund that started before
+    the gateway was asked (``started_before``) gets what was found; a later one is not covered by
+    that answer. The refund's row lock is held by the caller."""
     now = timezone.now()
-    return refund.attempts.filter(Q(outcome=Outcome.UNKNOWN) | Q(outcome=Outcome.LIVE, lease_until__lte=now)).update(
+    return refund.attempts.filter(Q(outcome=Outcome.UNKNOWN) | Q(outcome=Outcome.LIVE, lease_until__lte=now),
+                                  started_at__lt=started_before).update(
         outcome=outcome, finished_at=now, processor_refund_id=processor_refund_id, error_message=why)
 
 

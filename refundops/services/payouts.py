@@ -133,6 +133,7 @@ def resolve_unknown_attempts(*, refund_id: str) -> Refund:
     if not attempts.unresolved(refund):
         return refund
     processor = get_processor(refund.payment.processor, refund.payment.processor_account)
+    asked_at = timezone.now()  # the book speaks only for calls that started before it was asked for
     book = call_gateway(processor.name, processor.account,
                         lambda: processor.fetch_payment_book(payment_ref(refund.payment)))
     # Gateway refunds of this refund that earlier submissions (failed, then resubmitted) made are not news.
@@ -147,13 +148,16 @@ def resolve_unknown_attempts(*, refund_id: str) -> Refund:
         if not attempts.unresolved(refund):
             return refund  # another worker resolved them meanwhile
         if not found:
-            attempts.settle_unresolved(refund, Outcome.ABSENT, why="looked up: the gateway has no refund for it")
+            # A call that started after the book was read may have paid since: it stays unknown,
+            # and open_attempt refuses a new call until the next look-up.
+            attempts.settle_unresolved(refund, Outcome.ABSENT, started_before=asked_at,
+                                       why="looked up: the gateway has no refund for it")
             record_audit(actor=WORKER, action="refund.attempt_absent", subject_type="refund", subject_id=refund.pk,
                          data={"looked_up": len(book.refunds), "verdict_id": refund.verdict_id})
             return refund
         first = found[0]
         attempts.settle_unresolved(refund, Outcome.SUCCEEDED, processor_refund_id=first.processor_refund_id,
-                                   why="looked up: the gateway made this refund")
+                                   started_before=asked_at, why="looked up: the gateway made this refund")
         refund = record_gateway_result(refund_id=refund_id, result=first.result)
         for twin in found[1:]:  # the same refund paid twice: only a person can undo that
             record_gateway_result(refund_id=refund_id, result=twin.result)
