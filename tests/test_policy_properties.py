@@ -13,10 +13,11 @@ decision.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import time_machine
@@ -111,6 +112,8 @@ def edge(before_midnight: int = 600, velocity_max_refunds: int = 1_000, **limits
 
 # Each window's edge, crossed once on purpose (the generated scenarios reach them too, less surely).
 EDGES = [
+    # An agent that names no session: its key's UTC hour is its session (14:00, 14:01 refused, 15:01 fits).
+    edge(session_amount_minor=1_000)((0, 600, "ag_a", 0), (0, 600, "ag_a", 1), (0, 600, "ag_a", 60)),
     # The agent's hour: the third refund is 61 minutes after the first, which no longer counts.
     edge(agent_hourly_amount_minor=5_000)((0, 3_000, "ag_a", 0), (0, 3_000, "ag_a", 59), (1, 2_500, "ag_a", 2)),
     # The local day: 23:30, 23:50 (refused), then 00:10 of the next day.
@@ -214,6 +217,9 @@ class Reference:
                      for i, (c, captured) in enumerate(payments)]
 
     def decide(self, ask: Ask, now: datetime) -> Decision:
+        # An agent that names no session is counted as one session per key and UTC hour.
+        if ask.agent and not ask.session:
+            ask = dataclasses.replace(ask, session=f"key:{ask.agent}:{now.astimezone(UTC):%Y-%m-%dT%H}")
         payment, customer = self.rows[ask.payment], self.payments[ask.payment][0]
         payment.amount_reserved_minor = sum(p.amount for p in self.paid if p.payment == ask.payment)
         decision = evaluate_refund(
