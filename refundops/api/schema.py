@@ -290,7 +290,9 @@ class EvidenceDraftCreated(serializers.Serializer):
 # -- the request schemas as strict as the services ---------------------------------------------------
 
 NO_NUL = "^[^\\x00]*$"  # PostgreSQL text holds no U+0000: such text is a VALIDATION_ERROR
-NOT_BLANK = "^[^\\x00]*[^\\x00\\s][^\\x00]*$"  # required texts are stripped, then must not be empty
+# Required texts are stripped (str.strip()), then must not be empty. A JSON Schema \s (ECMA-262) lacks
+# U+001C-U+001F and U+0085, which strip() removes: they are spelled out.
+NOT_BLANK = "^[^\\x00]*[^\\x00\\s\\x1c-\\x1f\\x85][^\\x00]*$"
 ONE_OF = {  # fields of which the service takes exactly one / at least one
     "PaymentLinkInRequest": {"oneOf": [{"required": ["transaction_id"]}, {"required": ["order_reference"]}]},
     "EvidenceDraftInRequest": {"anyOf": [{"required": [name], "properties": {name: {"pattern": NOT_BLANK}}}
