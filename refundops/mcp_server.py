@@ -290,7 +290,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "send_payment_link", "Send a payment link",
         "Sends the customer a link, worded by an approved template, to pay an amount still owed on an order "
         "or invoice. Name the payment (transaction_id) or the order (order_reference), not both. Refusals: "
-        "PAYMENT_NOT_FOUND, TEMPLATE_NOT_APPROVED (use a template a person approved), AMOUNT_NOT_OWED (more "
+        "PAYMENT_NOT_FOUND, ORDER_NOT_FOUND (no such order reference), TEMPLATE_NOT_APPROVED (use a template a person approved), AMOUNT_NOT_OWED (more "
         "than is owed and not yet asked for: a person decides), PAYMENT_LINKS_UNSUPPORTED, VALIDATION_ERROR, "
         "IDEMPOTENCY_KEY_REUSED, GATEWAY_UNAVAILABLE (retry later with the same idempotency_key).",
         _object({"transaction_id": _string("The payment whose order or invoice the amount is owed on ('txn_…')."),

@@ -260,7 +260,8 @@ SPECIFIC: dict[tuple[str, str], Callable[[Ctx], Any]] = {
     ("capture_payment", "GATEWAY_DECLINED"): _decline_at_sandbox,
     ("capture_payment", "GATEWAY_UNAVAILABLE"): _sandbox_down,
     ("send_payment_link", "202"): _in_flight_replay,
-    ("send_payment_link", "PAYMENT_NOT_FOUND"): lambda ctx: ctx.call(body=ctx.body(order_reference="ord-none")),
+    ("send_payment_link", "PAYMENT_NOT_FOUND"): lambda ctx: ctx.call(body=ctx.body(transaction_id="txn_none", order_reference=None)),
+    ("send_payment_link", "ORDER_NOT_FOUND"): lambda ctx: ctx.call(body=ctx.body(order_reference="ord-none", transaction_id=None)),
     ("send_payment_link", "TEMPLATE_NOT_APPROVED"): lambda ctx: ctx.call(body=ctx.body(template="tpl_x")),
     ("send_payment_link", "AMOUNT_NOT_OWED"): lambda ctx: ctx.call(body=ctx.body(amount=8_001)),
     ("send_payment_link", "PAYMENT_LINKS_UNSUPPORTED"): _then_call(

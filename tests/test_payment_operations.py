@@ -298,7 +298,7 @@ def test_payment_link_needs_one_payment_reference_and_an_amount(api, template, b
 
 def test_payment_link_for_an_unknown_order_is_not_found(api, template):
     refusal(post(api, "/api/v1/payment-links", {"order_reference": "nope", "template": template.pk, "amount": 1}),
-            "PAYMENT_NOT_FOUND", 404)
+            "ORDER_NOT_FOUND", 404)
 
 
 def test_stripe_payment_link_is_created_through_the_adapter_after_the_decision(api, template, gateways,

@@ -91,6 +91,7 @@ def test_another_merchants_order_reference_is_not_found_either(policy, theirs):
     guessed = post(api, "/api/v1/payment-links", {**body, "order_reference": "ACME-1001"})
     missing = post(api, "/api/v1/payment-links", {**body, "order_reference": "NOPE-1001"})
     same_as_missing(guessed, missing, "ACME-1001", "NOPE-1001")
+    assert (guessed.status_code, guessed.json()["error"]["code"]) == (404, "ORDER_NOT_FOUND")
     assert theirs[0].pk not in guessed.json()["error"]["message"]
 
 

@@ -146,7 +146,7 @@ class PaymentLinkView(AgentView):
                    request=schema.PaymentLinkIn, parameters=[schema.IDEMPOTENCY_KEY],
                    responses={201: schema.PaymentLinkSent, 202: IN_FLIGHT,
                               **schema.errors(*POST_CHECKS, "IDEMPOTENCY_KEY_REUSED", "PAYMENT_NOT_FOUND",
-                                              "TEMPLATE_NOT_APPROVED", "AMOUNT_NOT_OWED",
+                                              "ORDER_NOT_FOUND", "TEMPLATE_NOT_APPROVED", "AMOUNT_NOT_OWED",
                                               "PAYMENT_LINKS_UNSUPPORTED", *GATEWAY)})
     def post(self, request):
         return render(payments.send_payment_link(caller=self.caller(request), data=request.data,

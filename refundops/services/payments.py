@@ -516,9 +516,11 @@ def outstanding_links_minor(payment: Payment) -> int:
 def _decide_link(*, caller: Caller, ask: LinkInput, base: dict[str, Any]) -> tuple[Answer, FollowUp | None]:
     payment = _find_payment_for_link(ask, merchant_id=caller.merchant_id)
     if payment is None:
-        named = (f"payment {ask.transaction_id!r}" if ask.transaction_id
-                 else f"payment for order {ask.order_reference!r}")
-        return refuse(base, "PAYMENT_NOT_FOUND", f"No {named}.", payment_id=ask.transaction_id), None
+        if ask.transaction_id:
+            return refuse(base, "PAYMENT_NOT_FOUND", f"No payment {ask.transaction_id!r}.",
+                          payment_id=ask.transaction_id), None
+        return refuse(base, "ORDER_NOT_FOUND", f"No order {ask.order_reference!r}: check the order reference, "
+                                               f"or name the payment (transaction_id).",), None
     base = {**base, "payment_id": payment.pk, "currency": payment.currency, "amount_minor": ask.amount_minor}
     template = PaymentLinkTemplate.objects.filter(pk=ask.template_id).first()
     template_check = passed("template_approved", template=ask.template_id)
