@@ -1,32 +1,52 @@
-"""The floor: the least a correct refund write does. Lock the payment row, sum its refunds, insert
-one, commit. No key, no policy, no verdict, no audit, no idempotency, no queue."""
+"""The bare floor: the least a correct refund write costs through Django on this machine. Lock the
+payment row, sum what was refunded on it, insert one refund, commit: raw SQL on a connection that
+stays open, on a table of the benchmark's own (``bench_floor_refund``, created by bench/refunds.py
+when it seeds, not a migration). No DRF, no middleware (bench.settings_floor), no ORM model save,
+no signals, no history, no key, no policy, no verdict, no audit, no idempotency, no queue."""
 
 from __future__ import annotations
 
-from django.db import transaction
-from django.db.models import Sum
+import json
+
+from django.db import connection, transaction
+from django.http import HttpRequest, JsonResponse
 from django.urls import re_path
-from rest_framework.response import Response
-from rest_framework.views import APIView
+from django.views.decorators.csrf import csrf_exempt
 
-from refundops.models import Payment, Refund, RefundState
-
-
-class FloorRefundView(APIView):
-    authentication_classes: list = []
-    permission_classes: list = []
-    throttle_classes: list = []
-
-    def post(self, request):
-        amount = int(request.data["amount"])
-        with transaction.atomic():
-            payment = Payment.objects.select_for_update().get(pk=request.data["transaction_id"])
-            refunded = Refund.objects.filter(payment=payment).aggregate(s=Sum("amount_minor", default=0))["s"]
-            if refunded + amount > payment.amount_captured_minor:
-                return Response({"error": "exceeds captured"}, status=422)
-            refund = Refund.objects.create(payment=payment, amount_minor=amount, currency=payment.currency,
-                                           reason=request.data["reason"], status=RefundState.APPROVED)
-        return Response({"id": refund.pk}, status=201)
+TABLE = "bench_floor_refund"
+CREATE_TABLE = [
+    f"DROP TABLE IF EXISTS {TABLE}",
+    f"""CREATE TABLE {TABLE} (
+        id bigserial PRIMARY KEY,
+        payment_id varchar(40) NOT NULL REFERENCES refundops_payment (id),
+        amount_minor bigint NOT NULL CHECK (amount_minor > 0),
+        currency char(3) NOT NULL,
+        reason text NOT NULL,
+        created_at timestamptz NOT NULL DEFAULT now())""",
+    f"CREATE INDEX {TABLE}_payment ON {TABLE} (payment_id)",
+]
 
 
-urlpatterns = [re_path(r"^api/v1/refunds/?$", FloorRefundView.as_view())]
+@csrf_exempt
+def floor_refund(request: HttpRequest) -> JsonResponse:
+    if request.method != "POST":
+        return JsonResponse({"error": "POST only"}, status=405)
+    data = json.loads(request.body)
+    payment_id, amount = str(data["transaction_id"]), int(data["amount"])
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT amount_captured_minor, currency FROM refundops_payment WHERE id = %s FOR UPDATE",
+                       [payment_id])
+        row = cursor.fetchone()
+        if row is None:
+            return JsonResponse({"error": "no such payment"}, status=404)
+        captured, currency = row
+        cursor.execute(f"SELECT COALESCE(SUM(amount_minor), 0) FROM {TABLE} WHERE payment_id = %s", [payment_id])
+        if cursor.fetchone()[0] + amount > captured:
+            return JsonResponse({"error": "exceeds captured"}, status=422)
+        cursor.execute(f"INSERT INTO {TABLE} (payment_id, amount_minor, currency, reason) VALUES (%s, %s, %s, %s) "
+                       "RETURNING id", [payment_id, amount, currency, str(data["reason"])])
+        refund_id = cursor.fetchone()[0]
+    return JsonResponse({"id": refund_id, "status": "approved"}, status=201)
+
+
+urlpatterns = [re_path(r"^api/v1/refunds/?$", floor_refund)]
