@@ -45,55 +45,85 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 DB_NAME = "refundops_bench"
 PG = "postgres://postgres@127.0.0.1:5432"
-ENV = {
-    "DATABASE_URL": f"{PG}/{DB_NAME}",
-    "REDIS_URL": os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/11"),
-    "CELERY_TASK_ALWAYS_EAGER": "false",
-    "DJANGO_DEBUG": "false",
-}
 AMOUNT = 500
 
 
-def recreate_database() -> None:
+def bench_env(db_name: str) -> dict[str, str]:
+    """The environment the benchmark's processes run with, on database ``db_name``."""
+    return {
+        "DATABASE_URL": f"{PG}/{db_name}",
+        "REDIS_URL": os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/11"),
+        "CELERY_TASK_ALWAYS_EAGER": "false",
+        "DJANGO_DEBUG": "false",
+    }
+
+
+ENV = bench_env(DB_NAME)
+
+
+def recreate_database(db_name: str = DB_NAME) -> None:
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DB_NAME}")
+        conn.execute(f"DROP DATABASE IF EXISTS {db_name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {db_name}")
     subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT, check=True,
-                   env={**os.environ, **ENV, "DJANGO_SETTINGS_MODULE": "bench.settings_full"})
+                   env={**os.environ, **bench_env(db_name), "DJANGO_SETTINGS_MODULE": "bench.settings_full"})
 
 
-def seed(*, clients: int, per_client: int) -> tuple[list[str], list[list[str]], list[list[str]]]:
-    """Agent keys, and for each client its own payments for the full run and for the floor run."""
-    os.environ.update({**ENV, "DJANGO_SETTINGS_MODULE": "bench.settings_full"})
+def setup_django(db_name: str = DB_NAME) -> None:
+    """This process on ``db_name`` with the benchmark's settings (bench.settings_full)."""
+    os.environ.update({**bench_env(db_name), "DJANGO_SETTINGS_MODULE": "bench.settings_full"})
     sys.path.insert(0, str(ROOT))
     import django
 
     django.setup()
+
+
+def create_policy(*, limits: dict | None = None, rules: dict | None = None) -> None:
+    """Limits (USD, version 1) with ceilings per agent, session and platform far above what a
+    benchmark sends, and hold rules with every rule on (migration 0007's version 1, or version 2
+    with ``rules``' fields changed); ``limits`` overrides the limits' fields."""
+    from refundops.models import HoldRules, RefundLimits
+
+    big = 10**12
+    RefundLimits.objects.create(**{
+        "currency": "USD", "version": 1, "approval_threshold_minor": 100_000, "refund_window_days": 90,
+        "allowed_reasons": ["customer_request", "duplicate", "fraudulent", "product_issue"],
+        "max_refunds_per_payment": 5, "customer_daily_count": 10, "customer_daily_amount_minor": 1_000_000,
+        "customer_30d_count": 50, "customer_30d_amount_minor": 5_000_000, "agent_hourly_amount_minor": big,
+        "agent_daily_amount_minor": big, "session_amount_minor": big, "global_daily_amount_minor": big,
+        "created_by": "bench", **(limits or {})})
+    HoldRules.objects.get_or_create(version=1, defaults={"created_by": "bench"})
+    if rules:
+        HoldRules.objects.create(version=2, created_by="bench", **rules)  # the latest version binds
+
+
+def create_agents(count: int, *, name: str = "bench") -> list[str]:
+    """``count`` agents that may create refunds and read payments, one key each; the raw keys."""
+    from refundops.access import generate_key
+    from refundops.models import Agent, AgentKey
+
+    keys = []
+    for i in range(count):
+        agent = Agent.objects.create(name=f"{name}-{i}", capabilities=["refunds.create", "payments.read"])
+        raw, prefix, digest = generate_key()
+        AgentKey.objects.create(agent=agent, prefix=prefix, key_hash=digest)
+        keys.append(raw)
+    return keys
+
+
+def seed(*, clients: int, per_client: int) -> tuple[list[str], list[list[str]], list[list[str]]]:
+    """Agent keys, and for each client its own payments for the full run and for the floor run."""
+    setup_django()
     import redis
     from django.conf import settings
     from django.db import connection
     from django.utils import timezone
 
-    from refundops.access import generate_key
-    from refundops.models import Agent, AgentKey, Customer, HoldRules, Payment, RefundLimits
+    from refundops.models import Customer, Payment
 
     redis.Redis.from_url(settings.REDIS_URL).flushdb()
-    big = 10**12
-    RefundLimits.objects.create(
-        currency="USD", version=1, approval_threshold_minor=100_000, refund_window_days=90,
-        allowed_reasons=["customer_request", "duplicate", "fraudulent", "product_issue"],
-        max_refunds_per_payment=5, customer_daily_count=10, customer_daily_amount_minor=1_000_000,
-        customer_30d_count=50, customer_30d_amount_minor=5_000_000, agent_hourly_amount_minor=big,
-        agent_daily_amount_minor=big, session_amount_minor=big, global_daily_amount_minor=big,
-        created_by="bench")
-    # Every hold rule on (the defaults, as migration 0007 seeds them); none fires here.
-    HoldRules.objects.get_or_create(version=1, defaults={"created_by": "bench"})
-    keys = []
-    for i in range(clients):
-        agent = Agent.objects.create(name=f"bench-{i}", capabilities=["refunds.create", "payments.read"])
-        raw, prefix, digest = generate_key()
-        AgentKey.objects.create(agent=agent, prefix=prefix, key_hash=digest)
-        keys.append(raw)
+    create_policy()  # every hold rule on; none fires here (a customer of its own for each refund)
+    keys = create_agents(clients)
     total = clients * per_client * 2
     customers = Customer.objects.bulk_create(
         [Customer(name=f"Bench {i}", email=f"bench{i}@example.com") for i in range(total)], batch_size=5000)
