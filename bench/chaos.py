@@ -37,8 +37,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +52,13 @@ from urllib.parse import urlsplit, urlunsplit
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path[:1]:
     sys.path.insert(0, str(ROOT))  # run as a script: the project (and its tests.fakes) first
+from bench.stack import (  # noqa: E402 - after the path is set
+    PrivateRedis,
+    Workers,
+    create_migrated_database,
+    drop_database,
+)
+
 SETTINGS = "bench.settings_chaos"
 STRIPE_KEY = "sk_test_chaos"
 STRIPE_WEBHOOK_SECRET = "whsec_chaos_harness"
@@ -67,12 +72,6 @@ def log(message: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- the real parts ---------------------------------------------------------------------------------
 
 def database_url() -> str:
@@ -82,125 +81,6 @@ def database_url() -> str:
     parts = urlsplit(base)
     name = parts.path.lstrip("/") or "refundops"
     return urlunsplit(parts._replace(path=f"/{name}_chaos"))
-
-
-def migrations_digest() -> str:
-    """Of every migration file: a migrated copy kept under this name is still what migrate would make."""
-    digest = hashlib.sha1()
-    for path in sorted(ROOT.glob("*/migrations/*.py")):
-        digest.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
-    return digest.hexdigest()[:10]
-
-
-def create_migrated_database(url: str, env: dict[str, str]) -> None:
-    """The run's database, fresh and migrated: a copy of a migrated template kept beside it (made by
-    the first run after any migration changes; ``migrate`` under load takes a minute)."""
-    import psycopg
-
-    parts = urlsplit(url)
-    name = parts.path.lstrip("/")
-    template = f"{name}_tpl_{migrations_digest()}"[:63]
-    admin = urlunsplit(parts._replace(path="/postgres"))
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        have = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [template]).fetchone()
-        if have:
-            conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-            return
-        conn.execute(f'CREATE DATABASE "{name}"')
-    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"], cwd=ROOT,
-                   env={**env, "DATABASE_URL": url}, check=True)
-    with psycopg.connect(admin, autocommit=True) as conn:
-        stale = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE %s",
-                             [f"{name}_tpl_%"]).fetchall()
-        for (old,) in stale:  # templates of migrations since changed
-            conn.execute(f'DROP DATABASE IF EXISTS "{old}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{template}" TEMPLATE "{name}"')
-
-
-def drop_database(url: str) -> None:
-    import psycopg
-
-    if "django" in sys.modules:
-        from django.db import connections
-
-        connections.close_all()
-    parts = urlsplit(url)
-    with psycopg.connect(urlunsplit(parts._replace(path="/postgres")), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{parts.path.lstrip("/")}" WITH (FORCE)')
-
-
-class PrivateRedis:
-    """A redis-server of the harness's own on a free port, no persistence: a restart loses everything."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        import redis
-
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        for _ in range(100):
-            try:
-                if client.ping():
-                    return
-            except redis.RedisError:
-                time.sleep(0.05)
-        raise RuntimeError("private redis-server did not answer")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-        self.proc = None
-
-
-class Workers:
-    """``celery -A refundops worker`` subprocesses on every queue, each in its own process group."""
-
-    def __init__(self, count: int, env: dict[str, str], logdir: Path, queues: list[str]) -> None:
-        self.env, self.logdir, self.queues = env, logdir, queues
-        self.procs: list[subprocess.Popen | None] = [None] * count
-        self.started = 0
-
-    def start(self, slot: int) -> None:
-        self.started += 1
-        logfile = open(self.logdir / f"worker{slot}-{self.started}.log", "wb")  # noqa: SIM115
-        self.procs[slot] = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "refundops", "worker", "-Q", ",".join(self.queues),
-             "--pool", "threads", "--concurrency", "4", "--loglevel", "WARNING", "--without-gossip",
-             "--without-mingle", "--without-heartbeat", "-n", f"chaos{slot}-{self.started}@%h"],
-            cwd=ROOT, env=self.env, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def start_all(self) -> None:
-        for slot in range(len(self.procs)):
-            self.start(slot)
-
-    def kill(self, slot: int) -> None:
-        proc = self.procs[slot]
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the worker and every thread of it, mid-work
-            proc.wait()
-        self.procs[slot] = None
-
-    def ensure_running(self) -> None:
-        for slot, proc in enumerate(self.procs):
-            if proc is None or proc.poll() is not None:
-                self.start(slot)
-
-    def stop_all(self) -> None:
-        for slot in range(len(self.procs)):
-            self.kill(slot)
 
 
 class MerchantReceiver:
