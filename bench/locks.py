@@ -32,7 +32,10 @@ at once. Measured in that same window:
   taken with ``transaction.on_commit``); (2) sampled from PostgreSQL: row locks on
   ``--row-tables`` (default the PlatformState table) through ``pgrowlocks``, and granted advisory
   locks from ``pg_locks``: the share of samples in which each is held, in which mode, by how many
-  clients at once. An advisory lock that more than one client held is reported as shared;
+  clients at once; and its waiters (an advisory lock not granted; for a row, a tuple lock on its
+  table, which PostgreSQL takes only to queue for a row another holds). An advisory lock that more
+  than one client held is reported as shared, named when refundops/locks.py names its keys
+  (``_key``: platform, currency, fast-path slots, customer, agent);
 * throughput (refunds approved per second) and p50/p99 latency of ``request_refund`` calls.
 
 The machine is shared and small: run it when ``uptime`` shows a modest load, twice, and read the
@@ -70,8 +73,12 @@ SELECT extract(epoch FROM clock_timestamp())::float8,
   coalesce((SELECT array_agg(a.pid || ' ' || a.wait_event) FROM pg_stat_activity a
             WHERE a.datname = current_database() AND a.wait_event_type = 'Lock'
               AND a.pid <> pg_backend_pid()), '{}'),
-  coalesce((SELECT array_agg(l.pid || ' ' || l.mode || ' ' || l.classid || '/' || l.objid || '/' || l.objsubid)
-            FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.database = %(db)s), '{}')
+  coalesce((SELECT array_agg(l.pid || ' ' || l.mode || ' ' || l.granted || ' ' || CASE l.locktype
+                     WHEN 'advisory' THEN 'advisory ' || l.classid || '/' || l.objid || '/' || l.objsubid
+                     ELSE 'tuple ' || l.relation::regclass END)
+            FROM pg_locks l
+            WHERE (l.locktype = 'advisory' AND l.database = %(db)s)
+               OR (l.locktype = 'tuple' AND l.relation = ANY(%(rels)s))), '{}')
 """
 ROWS = """coalesce((SELECT array_agg({table!r} || ' ' || r.locker || ' '
                                   || replace(array_to_string(r.modes, '+'), ' ', ''))
@@ -130,7 +137,31 @@ def prepare(args: argparse.Namespace) -> dict:
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
     plan["row_tables"] = (args.row_tables or [PlatformState._meta.db_table]) if row_locks else []
+    plan["labels"] = advisory_labels(plan, args.scenarios)
     return plan
+
+
+def advisory_labels(plan: dict, scenarios: list[str]) -> dict[str, str]:
+    """Names for the advisory locks refundops/locks.py takes, as pg_locks shows their keys
+    (``classid/objid/1`` of a 64-bit key), when it names its scopes with ``_key(*parts)``:
+    the platform, the currency, its fast-path slots (one name for all), each customer and agent."""
+    from refundops import locks
+
+    key = getattr(locks, "_key", None)
+    if key is None:
+        return {}
+    named = {("platform",): "platform", ("currency", "USD"): "currency USD"}
+    named.update({("slot", "USD", str(i)): "fast-path slots USD (any)"
+                  for i in range(getattr(locks, "FAST_PATH_SLOTS", 0))})
+    for scenario in scenarios:
+        for spec in plan[scenario]:
+            named[("customer", spec["customer"])] = f"customer {spec['customer']}"
+            named[("agent", spec["agent"])] = f"agent {spec['agent']}"
+    labels = {}
+    for parts, label in named.items():
+        value = key(*parts) & 0xFFFF_FFFF_FFFF_FFFF
+        labels[f"{value >> 32}/{value & 0xFFFF_FFFF}/1"] = label
+    return labels
 
 
 # -- one client (a process of its own) -----------------------------------------------------------
@@ -214,7 +245,9 @@ class Sampler(threading.Thread):
     def __init__(self, database: str, row_tables: list[str], interval: float) -> None:
         super().__init__(daemon=True)
         self.conn = psycopg.connect(f"{base.PG}/{database}", autocommit=True, application_name="locks-sampler")
-        self.db_oid = self.conn.execute("SELECT oid FROM pg_database WHERE datname = current_database()").fetchone()[0]
+        self.params = {
+            "db": self.conn.execute("SELECT oid FROM pg_database WHERE datname = current_database()").fetchone()[0],
+            "rels": [self.conn.execute("SELECT %s::regclass::oid", [t]).fetchone()[0] for t in row_tables]}
         self.query = SAMPLE.rstrip() + "".join(f",\n  {ROWS.format(table=t)}" for t in row_tables)
         self.interval, self.go, self.halt = interval, threading.Event(), threading.Event()
         self.samples: list[tuple] = []
@@ -224,7 +257,7 @@ class Sampler(threading.Thread):
         with self.conn.cursor() as cursor:
             due = time.perf_counter()
             while not self.halt.is_set():
-                cursor.execute(self.query, {"db": self.db_oid}, prepare=True)
+                cursor.execute(self.query, self.params, prepare=True)
                 self.samples.append(cursor.fetchone())
                 due += self.interval
                 pause = due - time.perf_counter()
@@ -262,7 +295,6 @@ def run_scenario(scenario: str, clients: list[dict], args: argparse.Namespace, p
     workers = [context.Process(target=client, args=(i, scenario, spec, args, barrier, results))
                for i, spec in enumerate(clients)]
     log = server_log(args.database, args.pg_log)
-    log_start = log.stat().st_size if log else 0
     for worker in workers:
         worker.start()
     sampler = Sampler(args.database, plan["row_tables"], args.interval_ms / 1000)  # after the fork
@@ -270,6 +302,7 @@ def run_scenario(scenario: str, clients: list[dict], args: argparse.Namespace, p
     barrier.wait(timeout=args.warmup + 120)
     started = time.perf_counter()
     sampler.go.set()
+    log_start = log.stat().st_size if log else 0  # the warm-up's waits are before this
     reports = [results.get(timeout=args.seconds + 120) for _ in workers]
     window = time.perf_counter() - started
     sampler.halt.set()
@@ -278,7 +311,7 @@ def run_scenario(scenario: str, clients: list[dict], args: argparse.Namespace, p
         worker.join(timeout=30)
     logged = read_log(log, log_start, args.database) if log else None
     return summarize(scenario, sorted(reports, key=lambda r: r["index"]), sampler.samples, window, logged, args,
-                     log)
+                     log, plan)
 
 
 def read_log(log: Path, start: int, database: str) -> list[tuple[int, str, str, float]]:
@@ -309,7 +342,7 @@ def ms(seconds: float | None) -> float | None:
 
 
 def summarize(scenario: str, reports: list[dict], samples: list[tuple], window: float,
-              logged: list | None, args: argparse.Namespace, log: Path | None) -> dict:
+              logged: list | None, args: argparse.Namespace, log: Path | None, plan: dict) -> dict:
     n = len(samples)
     pid_client = {r["pid"]: r["index"] for r in reports}
     stamps = [s[0] for s in samples]
@@ -323,22 +356,36 @@ def summarize(scenario: str, reports: list[dict], samples: list[tuple], window: 
                 per_client_waiting[pid_client[int(pid)]] += 1
                 by_event[event] += 1
 
-    # Locks that more than one client held: advisory keys from pg_locks, rows from pgrowlocks.
+    # Locks that more than one client held: advisory locks (pg_locks, granted) and rows (pgrowlocks).
+    # Their waiters: advisory locks not granted; for a row, whoever holds or awaits its tuple lock
+    # (PostgreSQL takes one only to queue for a row another transaction has locked).
     holders: dict[str, set] = defaultdict(set)
-    held: dict[str, Counter] = defaultdict(Counter)  # key -> samples held in each mode
-    at_once: dict[str, int] = defaultdict(int)
-    runs: dict[str, list[int]] = defaultdict(list)  # key -> lengths in samples of unbroken holds by one holder
-    last: dict[str, tuple[str, int]] = {}
+    keys: dict[str, set] = defaultdict(set)  # name -> the advisory keys it stands for
+    held: dict[str, Counter] = defaultdict(Counter)  # name -> samples held, by mode
+    waited: dict[str, Counter] = defaultdict(Counter)  # name -> samples with a waiter, waiter-samples
+    holders_at_once: dict[str, int] = defaultdict(int)
+    waiters_at_once: dict[str, int] = defaultdict(int)
+    runs: list[tuple[str, int]] = []  # (name, samples) of each unbroken hold by one holder
+    open_runs: dict[tuple[str, str], int] = {}  # (name, holder) -> index in runs
     for sample in samples:
         seen: dict[str, set] = defaultdict(set)
+        waiting: dict[str, set] = defaultdict(set)
         modes: dict[str, set] = defaultdict(set)
         for entry in sample[2]:
-            pid, mode, key = entry.split(" ")
-            if int(pid) in pid_client:
-                name = f"advisory {key}"
+            pid, mode, granted, kind, ident = entry.split(" ", 4)
+            if int(pid) not in pid_client:
+                continue
+            if kind == "tuple":
+                waiting[f"row of {ident}"].add(pid)
+                continue
+            name = f"advisory {plan['labels'].get(ident, ident)}"
+            keys[name].add(ident)
+            if granted == "true":
                 seen[name].add(pid)
                 modes[name].add(mode)
-                holders[name].add(int(pid))
+                holders[name].add(pid)
+            else:
+                waiting[name].add(pid)
         for rows in sample[3:]:
             for entry in rows:
                 table, locker, mode = entry.split(" ")
@@ -350,31 +397,45 @@ def summarize(scenario: str, reports: list[dict], samples: list[tuple], window: 
             exclusive = any("Exclusive" in m or m in ("ForUpdate", "Update", "ForNoKeyUpdate", "NoKeyUpdate")
                             for m in modes[name])
             held[name]["exclusive" if exclusive else "shared"] += 1
-            at_once[name] = max(at_once[name], len(who))
-            holder = ",".join(sorted(who))
-            previous = last.get(name)
-            if previous and previous[0] == holder:
-                runs[name][-1] += 1
+            holders_at_once[name] = max(holders_at_once[name], len(who))
+        for name, who in waiting.items():
+            waited[name]["samples"] += 1
+            waited[name]["waiter_samples"] += len(who)
+            waiters_at_once[name] = max(waiters_at_once[name], len(who))
+        now_held = {(name, holder) for name, who in seen.items() for holder in who}
+        for pair in list(open_runs):
+            if pair not in now_held:
+                del open_runs[pair]
+        for pair in now_held:
+            if pair in open_runs:
+                index = open_runs[pair]
+                runs[index] = (pair[0], runs[index][1] + 1)
             else:
-                runs[name].append(1)
-            last[name] = (holder, 0)
-        for name in list(last):
-            if name not in seen:
-                del last[name]
+                open_runs[pair] = len(runs)
+                runs.append((pair[0], 1))
     mean_gap = statistics.fmean(gaps) if gaps else 0.0
+    hold_runs: dict[str, list[int]] = defaultdict(list)
+    for name, length in runs:
+        hold_runs[name].append(length)
     shared = []
-    for name in sorted(held):
+    for table in plan["row_tables"]:
+        held.setdefault(f"row of {table}", Counter())  # listed also when no one held it
+    for name in sorted(set(held) | set(waited)):
         if len(holders[name]) < 2 and not name.startswith("row of"):
             continue  # one client's own lock (its customer's, its agent's): nobody else waits on it
-        total = sum(held[name].values())
         shared.append({
             "lock": name,
-            "held_share": round(total / n, 4) if n else None,
+            "keys": len(keys[name]) if name.startswith("advisory") else 1,
+            "held_share": round(sum(held[name].values()) / n, 4) if n else None,
             "exclusive_share": round(held[name]["exclusive"] / n, 4) if n else None,
             "shared_mode_share": round(held[name]["shared"] / n, 4) if n else None,
-            "max_holders_at_once": at_once[name],
+            "max_holders_at_once": holders_at_once[name],
             "distinct_holders": len(holders[name]),
-            "sampled_hold_mean_ms": ms(statistics.fmean(runs[name]) * mean_gap) if runs[name] else None,
+            # A hold as sampled: from the first to the last sample that saw it (under by up to a gap).
+            "sampled_hold_mean_ms": ms(statistics.fmean(hold_runs[name]) * mean_gap) if hold_runs[name] else None,
+            "waited_share": round(waited[name]["samples"] / n, 4) if n else None,
+            "max_waiters_at_once": waiters_at_once[name],
+            "wait_s": round(waited[name]["waiter_samples"] / n * window, 3) if n else None,
         })
 
     latencies = [x for r in reports for x in r["latencies"]]
@@ -411,7 +472,7 @@ def summarize(scenario: str, reports: list[dict], samples: list[tuple], window: 
             "call_total_s": round(sum(acquire), 3),
             "hold_p50_ms": ms(percentile(hold, 0.5)), "hold_p99_ms": ms(percentile(hold, 0.99)),
             "hold_total_s": round(sum(hold), 3),
-            "hold_share": round(sum(hold) / window, 4),  # a lock only one may hold at a time: <= 1
+            "hold_share": round(sum(hold) / window, 4),  # summed over clients: <= 1 if one holds it at a time
         }
     shares = [c["lock_wait_share"] for c in per_client if c["lock_wait_share"] is not None]
     return {
@@ -478,12 +539,16 @@ def print_report(report: dict) -> None:
             print(f"   {name}() in process: {f['calls']} calls, call p50/p99 {fmt(f['call_p50_ms'], '.2f')}/"
                   f"{fmt(f['call_p99_ms'], '.2f')} ms (wait + query); held to commit p50/p99 "
                   f"{fmt(f['hold_p50_ms'], '.2f')}/{fmt(f['hold_p99_ms'], '.2f')} ms, "
-                  f"{f['hold_total_s']:.2f} s = {f['hold_share']:.0%} of the window")
+                  f"{f['hold_total_s']:.2f} s in all = {f['hold_share']:.2f} x the window")
         for lock in s["shared_locks"]:
-            print(f"   shared {lock['lock']}: held {fmt(lock['held_share'], '.1%')} of samples "
+            many = f" ({lock['keys']} keys)" if lock["keys"] > 1 else ""
+            print(f"   shared {lock['lock']}{many}: held {fmt(lock['held_share'], '.1%')} of samples "
                   f"(exclusive {fmt(lock['exclusive_share'], '.1%')}, shared mode {fmt(lock['shared_mode_share'], '.1%')}), "
-                  f"up to {lock['max_holders_at_once']} holder(s) at once, {lock['distinct_holders']} holders, "
-                  f"sampled hold ~{fmt(lock['sampled_hold_mean_ms'], '.2f')} ms")
+                  f"up to {lock['max_holders_at_once']} holder(s) at once, {lock['distinct_holders']} "
+                  f"{'transactions' if lock['lock'].startswith('row') else 'clients'} held it, "
+                  f"sampled hold ~{fmt(lock['sampled_hold_mean_ms'], '.2f')} ms; waited on in "
+                  f"{fmt(lock['waited_share'], '.1%')} of samples, up to {lock['max_waiters_at_once']} waiter(s), "
+                  f"{fmt(lock['wait_s'], '.2f')} s in all")
         if not s["shared_locks"]:
             print("   no lock held by more than one client was seen")
 

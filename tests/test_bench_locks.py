@@ -38,4 +38,6 @@ def test_lock_bench_reports_waits_holds_and_latency_per_scenario_and_client():
         for figures in scenario["lock_functions"].values():
             assert {"calls", "call_p50_ms", "call_p99_ms", "hold_p50_ms", "hold_p99_ms", "hold_share"} <= set(figures)
         for lock in scenario["shared_locks"]:
-            assert {"lock", "held_share", "exclusive_share", "max_holders_at_once", "sampled_hold_mean_ms"} <= set(lock)
+            assert {"lock", "held_share", "exclusive_share", "max_holders_at_once", "sampled_hold_mean_ms",
+                    "waited_share", "max_waiters_at_once", "wait_s"} <= set(lock)
+        assert any(lock["lock"].startswith("row of ") for lock in scenario["shared_locks"])  # listed even if idle
