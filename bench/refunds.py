@@ -8,7 +8,7 @@ Needs ``wrk`` (Debian: ``apt-get install wrk``). Recreates the database ``refund
 client through the ORM, then serves
 
 * full: the platform (bench.settings_full) behind gunicorn: key, capability, rate limits in Redis,
-  idempotency, payment and platform locks, running totals, the policy, verdict, refund, history,
+  idempotency, the payment's, customer's and agent's locks, running totals, the policy, verdict, refund, history,
   audit entry, breaker count; Celery not eager, broker in Redis, no worker (the queue only fills);
 * floor: bench.floor, raw SQL in a plain Django view with no middleware on a persistent connection:
   lock the payment row, sum its refunds in a table of its own, insert one, commit;

@@ -1,9 +1,60 @@
-"""Row locks in one place, always taken in the same order (payment, then platform) so two
-transactions never wait on each other in a circle. Locks live in PostgreSQL, not in memory."""
+"""Locks in one place, always taken in the same order, so two transactions never wait on each other
+in a circle: the payment's row, then the customer, the agent, the platform's switches and the
+currency's global total (``lock_scopes``). Locks live in PostgreSQL, not in memory.
+
+No lock is one that every refund waits on. A decision locks the scopes its running totals read:
+its payment (row lock), its customer and its agent (exclusive advisory locks; the agent's covers its
+sessions). Refunds of different customers and agents run side by side. Two things are global:
+
+* the switches (kill switch, agents off): deciders hold the platform lock *shared*, the switches
+  take it exclusively, so a switch waits for the decisions under way and every later one sees it;
+* the global daily limit, a total of every refund in a currency. A quarter of the limit is
+  headroom for the decisions in flight, cut into ``FAST_PATH_SLOTS`` slots (advisory locks). A
+  decider holds the currency's lock shared and as many free slots as its amount ``a`` fills, and
+  reads the committed total ``T``. It may pass on that read when ``T + headroom + a <= limit``:
+  what the decisions in flight add, unseen by ``T``, is covered by the other slots, so it is at most
+  the headroom. A refund that finds too few slots free, or a day past three quarters of its limit,
+  is decided again under the currency's lock held exclusively: it waits for those in flight and
+  sees every one of them. So the limit holds exactly, and refunds serialise on it only near it.
+
+SQLite (the embedded mode) has no advisory locks and needs none: it lets one writer in at a time.
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import random
+from dataclasses import dataclass
+
+from django.db import connection
+
 from refundops.models import Payment, PlatformState, Refund
+
+FAST_PATH_SLOTS = 32
+HEADROOM_SHARE = 4  # a quarter of the global daily limit covers the fast-path decisions in flight
+
+
+def slot_size(limit_minor: int) -> int:
+    """What one slot covers of the global daily limit (``limit_minor``)."""
+    return limit_minor // HEADROOM_SHARE // FAST_PATH_SLOTS
+
+
+def slots_for(amount_minor: int, limit_minor: int | None) -> int:
+    """The slots a refund of ``amount_minor`` takes on the fast path (more than there are: it can't)."""
+    if limit_minor is None:
+        return 0  # no limits: nothing global to count against
+    size = slot_size(limit_minor)
+    return -(-max(amount_minor, 1) // size) if size > 0 else FAST_PATH_SLOTS + 1
+
+
+def _key(*parts: str) -> int:
+    """A stable signed 64-bit advisory lock key for a scope (PostgreSQL's one-key form)."""
+    digest = hashlib.blake2b("\x1f".join(("refundops", *parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+PLATFORM_KEY = _key("platform")
 
 
 def lock_payment(payment_id: str, *, merchant_id: str | None = None) -> Payment | None:
@@ -17,8 +68,64 @@ def lock_refund(refund_id: str) -> Refund:
     return Refund.objects.select_for_update(of=("self",)).select_related("payment").get(pk=refund_id)
 
 
+@dataclass(frozen=True)
+class ScopeLocks:
+    """What ``lock_scopes`` holds: ``slots``, how many fast-path slots (none when exclusive)."""
+
+    exclusive: bool
+    slots: int
+
+    def global_fast_path(self, *, limit_minor: int, committed_minor: int, amount_minor: int) -> bool:
+        """May a refund of ``amount_minor`` count against the currency's global daily limit on a
+        read of the committed total alone? (The module's docstring says why this is exact.)"""
+        if self.exclusive:
+            return True  # the read saw every refund: nothing else is in flight
+        return (slots_for(amount_minor, limit_minor) <= self.slots
+                and committed_minor + limit_minor // HEADROOM_SHARE + amount_minor <= limit_minor)
+
+
+# The locks in the FROM clause run first; the slots are tried after them, so no slot is held while
+# a customer's or agent's lock is awaited. LIMIT stops at as many free slots as are wanted.
+_LOCK_SQL = """
+SELECT (SELECT count(*) FROM (SELECT FROM unnest(%s::bigint[]) AS k WHERE pg_try_advisory_xact_lock(k) LIMIT %s) s)
+  FROM (SELECT {locks} OFFSET 0) AS held"""
+
+
+@functools.cache
+def _slot_keys(currency: str) -> tuple[int, ...]:
+    return tuple(_key("slot", currency, str(i)) for i in range(FAST_PATH_SLOTS))
+
+
+def lock_scopes(*, customer_id: str, agent_id: str | None, currency: str, exclusive: bool = False,
+                slots: int = 0) -> ScopeLocks:
+    """The locks a refund decision takes after its payment's row, in one statement; held until
+    commit. ``exclusive``: the currency's global total too (a decision or a write that must see
+    every refund in flight); else up to ``slots`` fast-path slots (``slots_for``) are tried.
+    Taken before the running totals are read."""
+    if connection.vendor != "postgresql":
+        return ScopeLocks(exclusive=True, slots=0)
+    keys = [("pg_advisory_xact_lock", _key("customer", customer_id))]
+    if agent_id:
+        keys.append(("pg_advisory_xact_lock", _key("agent", agent_id)))
+    keys.append(("pg_advisory_xact_lock_shared", PLATFORM_KEY))
+    keys.append(("pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared", _key("currency", currency)))
+    wanted = 0 if exclusive or slots > FAST_PATH_SLOTS else slots
+    start = random.randrange(FAST_PATH_SLOTS)  # spread deciders over the slots
+    ring = _slot_keys(currency)
+    locks = ", ".join(f"{function}(%s)" for function, _ in keys)
+    with connection.cursor() as cursor:
+        cursor.execute(_LOCK_SQL.format(locks=locks), [list(ring[start:] + ring[:start]) if wanted else [], wanted,
+                                                       *(key for _, key in keys)])
+        held = cursor.fetchone()[0]
+    return ScopeLocks(exclusive=exclusive, slots=held)
+
+
 def lock_platform() -> PlatformState:
-    """Serialises every write that moves a global running total. One query once the row exists."""
+    """For the switches: waits for every refund decision under way (they hold the platform lock
+    shared) and holds later ones until commit, so each decision sees a switch before or after."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [PLATFORM_KEY])
     state = PlatformState.objects.select_for_update().filter(pk=1).first()
     if state is None:
         PlatformState.objects.get_or_create(pk=1)

@@ -74,7 +74,7 @@ class Decision:
     hold_reasons: list[str] = field(default_factory=list)
 
     def checks_json(self) -> list[dict[str, Any]]:
-        # vars, not asdict: no deep copy; this runs while the platform lock is held.
+        # vars, not asdict: no deep copy; this runs while the scopes' locks are held.
         return [{k: v for k, v in vars(c).items() if v not in (None, "", {})} for c in self.checks]
 
 

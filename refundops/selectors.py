@@ -8,7 +8,7 @@ from django.db import connection
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
-from refundops.models import COUNTING_STATES, HoldRules, Payment, PolicyDraft, Refund, RefundLimits
+from refundops.models import COUNTING_STATES, HoldRules, Payment, PlatformState, PolicyDraft, Refund, RefundLimits
 from refundops.policy import Totals
 
 
@@ -30,8 +30,8 @@ def start_of_day(now: datetime) -> datetime:
     return timezone.localtime(now).replace(hour=0, minute=0, second=0, microsecond=0)
 
 
-# One round trip: the service reads these while it holds the lock that serialises every refund
-# decision (refundops.locks.lock_platform), so each statement there costs all agents time.
+# One round trip: the service reads these while it holds its scopes' locks (refundops.locks), and
+# the kill switch with them: read after the platform lock is taken, it is the one the decision sees.
 # Scalar subqueries let each scope use its own index (customer via the payment, agent, day, payment);
 # the customer's refunds are found through the customer's payments (OFFSET 0 keeps the planner
 # from turning that into a scan of every recent refund).
@@ -43,7 +43,8 @@ SELECT
   (SELECT COALESCE(SUM(amount_minor), 0) FROM {refund}
     WHERE status = ANY(%(states)s) AND currency = %(currency)s AND counted_at >= %(day)s
       AND id <> %(exclude)s),
-  pr.agents_sum, c.agents_window_sum
+  pr.agents_sum, c.agents_window_sum,
+  COALESCE((SELECT refunds_paused FROM {platform} WHERE id = 1), false)
 FROM
   (SELECT COUNT(*) AS count, COALESCE(SUM(amount_minor) FILTER (WHERE origin = %(agent_origin)s), 0) AS agents_sum
      FROM {refund} WHERE payment_id = %(payment)s AND status = ANY(%(states)s) AND id <> %(exclude)s) pr,
@@ -67,7 +68,8 @@ FROM
      FROM {refund}
     WHERE agent_id = %(agent)s AND status = ANY(%(states)s) AND currency = %(currency)s AND id <> %(exclude)s
       AND (counted_at >= LEAST(%(day)s, %(hour)s) OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
-""".format(refund=Refund._meta.db_table, payment=Payment._meta.db_table)
+""".format(refund=Refund._meta.db_table, payment=Payment._meta.db_table,
+           platform=PlatformState._meta.db_table)
 
 
 def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
@@ -75,17 +77,26 @@ def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, n
     """What every scope has already refunded in the payment's currency, counting each refund that
     is not denied, rejected, expired, canceled or failed, whoever made it (agent, staff, gateway).
     ``exclude_refund_id``: the refund being decided, when it is already written."""
+    return totals_and_pause(payment=payment, agent_id=agent_id, session_id=session_id, now=now,
+                            velocity_hours=velocity_hours, cumulative_hours=cumulative_hours,
+                            exclude_refund_id=exclude_refund_id)[0]
+
+
+def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
+                     velocity_hours: int = 24, cumulative_hours: int = 24,
+                     exclude_refund_id: str = "") -> tuple[Totals, bool]:
+    """``running_totals``, and in the same statement whether the kill switch is on."""
     params = {"exclude": exclude_refund_id, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
               "agent": agent_id, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
               "day": start_of_day(now), "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
               "velocity": now - timedelta(hours=velocity_hours),
               "cumulative": now - timedelta(hours=cumulative_hours), "agent_origin": str(Refund.Origin.AGENT)}
     if connection.vendor != "postgresql":
-        return _running_totals_orm(params)
+        return _running_totals_orm(params), PlatformState.current().refunds_paused
     with connection.cursor() as cursor:
         cursor.execute(_TOTALS_SQL, params)
-        row = cursor.fetchone()
-    return Totals(*(int(v) for v in row))
+        *totals, paused = cursor.fetchone()
+    return Totals(*(int(v) for v in totals)), bool(paused)
 
 
 def _running_totals_orm(p: dict) -> Totals:

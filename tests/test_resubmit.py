@@ -1,4 +1,4 @@
-"""Resubmitting a failed refund is a new ask today: it runs under the payment and platform locks,
+"""Resubmitting a failed refund is a new ask today: it runs under the locks a new refund takes,
 counts in today's totals, and the policy decides it again (issue 8, finding 4)."""
 
 from __future__ import annotations
@@ -125,12 +125,13 @@ def test_a_resubmission_and_new_refunds_racing_for_the_global_limit_never_pass_i
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_resubmission_waits_for_the_platform_lock_every_refund_decision_takes():
+def test_a_resubmission_waits_for_every_refund_decision_in_flight():
     import threading
 
     from django.db import connection, transaction
 
-    from refundops.locks import lock_platform
+    from refundops.locks import lock_scopes
+    from tests.conftest import make_customer
 
     make_limits(), make_rules()
     alice = approver("alice", limit=50_000)
@@ -144,7 +145,9 @@ def test_a_resubmission_waits_for_the_platform_lock_every_refund_decision_takes(
             connection.close()
 
     with transaction.atomic():
-        lock_platform()  # another refund being decided right now
+        # Another customer's refund being decided right now: the resubmission takes the currency's
+        # lock exclusively, so it waits for that one's totals to commit.
+        lock_scopes(customer_id=make_customer().pk, agent_id=None, currency="USD")
         worker = threading.Thread(target=resubmit)
         worker.start()
         worker.join(timeout=1.5)

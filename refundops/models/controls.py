@@ -9,8 +9,8 @@ from processors.money import CURRENCY_CHOICES
 
 
 class PlatformState(models.Model):
-    """One row: the switches that stop every agent at once. Its row lock also serialises the
-    global running totals, so racing agents can never pass a global limit together."""
+    """One row: the switches that stop every agent at once. A switch waits for the refund decisions
+    under way and every later one sees it (refundops.locks.lock_platform)."""
 
     refunds_paused = models.BooleanField(default=False, help_text="Kill switch: pause agent refunds")
     agents_disabled = models.BooleanField(default=False, help_text="Revoke all agent access")

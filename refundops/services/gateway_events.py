@@ -28,7 +28,7 @@ from processors.paypal import PayPalDispute, PayPalProcessor
 from processors.registry import get_processor
 from processors.stripe import StripeProcessor
 from refundops import outbound
-from refundops.locks import lock_payment, lock_platform
+from refundops.locks import lock_payment, lock_scopes
 from refundops.models import (
     COUNTING_STATES,
     Dispute,
@@ -249,9 +249,10 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
     differ: that is raised to a person as a ledger discrepancy, and the event counts as applied."""
     payment = lock_payment(payment_id)
     assert payment is not None
-    # Payment, then platform, as refund decisions take them: the customer's and the platform's
-    # running totals change here, so no decision may be taken on totals without this refund.
-    lock_platform()
+    # After the payment, as refund decisions take them: the customer's and the currency's running
+    # totals change here, so no decision may be taken on totals without this refund (the currency's
+    # lock exclusively: it waits for the decisions in flight, and later ones see this refund).
+    lock_scopes(customer_id=payment.customer_id, agent_id=None, currency=result.amount.currency, exclusive=True)
     existing = Refund.objects.filter(payment=payment, processor_refund_id=result.processor_refund_id).first()
     if existing is not None:  # a concurrent delivery got here first
         return f"{existing.pk}: already recorded"

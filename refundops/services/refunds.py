@@ -19,12 +19,12 @@ from refundops.answers import Answer, error_answer, refund_json, suggested_messa
 from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.inputs import RefundInput, ValidationFailed, could_be_id, for_the_record, has_nul, parse_refund
-from refundops.locks import lock_platform
-from refundops.models import (RESERVING_STATES, LedgerDiscrepancy, Payment, PlatformState, PolicyDraft, Refund,
+from refundops.locks import lock_scopes, slots_for
+from refundops.models import (RESERVING_STATES, LedgerDiscrepancy, Payment, PolicyDraft, Refund,
                               RefundState)
 from refundops.policy import (Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_input,
                               policy_version)
-from refundops.selectors import active_limits, active_rules, running_totals, shadow_drafts
+from refundops.selectors import active_limits, active_rules, running_totals, shadow_drafts, totals_and_pause
 from refundops.services.reconciliation import open_discrepancy_on
 
 log = logging.getLogger(__name__)
@@ -142,11 +142,11 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     breaker_open = bool(agent_id) and breaker.is_open(now=now)
     locked = copy.copy(payment)  # the payment as locked, before this request reserves anything
 
-    def decide(paused: bool, exclude_refund_id: str = "") -> tuple[Decision, Totals]:
-        totals = running_totals(payment=locked, agent_id=agent_id, session_id=ask.agent.session_id, now=now,
-                                velocity_hours=rules.velocity_window_hours if rules else 24,
-                                cumulative_hours=limits.cumulative_window_hours if limits else 24,
-                                exclude_refund_id=exclude_refund_id)
+    def decide() -> tuple[Decision, Totals]:
+        totals, paused = totals_and_pause(
+            payment=locked, agent_id=agent_id, session_id=ask.agent.session_id, now=now,
+            velocity_hours=rules.velocity_window_hours if rules else 24,
+            cumulative_hours=limits.cumulative_window_hours if limits else 24)
         # What the policy read, kept on the verdict so a draft policy can be replayed on it.
         verdict.policy_input = policy_input(payment=locked, ask=refund_ask, limits=limits, rules=rules, now=now,
                                             paused=paused, breaker_open=breaker_open,
@@ -158,31 +158,34 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     verdict = Verdict(**base, payment_id=payment.pk, currency=payment.currency,
                       policy_version=policy_version(limits, rules))
     if dry_run:
-        decision, totals = decide(PlatformState.current().refunds_paused)
+        decision, totals = decide()
         _fill_verdict(verdict, decision, totals).save()
         return _check_answer(payment, decision, verdict, totals, limits)
 
-    shadows = shadow_drafts(payment.currency)  # before the lock: drafts that only watch
-    # Every refund decision is serialised by the platform row lock, held until commit, so running
-    # totals are exact under races. To keep that stretch short, the refund is written on the
-    # decision taken without the lock; then the lock is taken and the decision taken again on
-    # totals that include every committed refund. Almost always it stands; if not, the writes
-    # are undone and redone under the lock. The kill switch is read under the lock only: before
-    # it, it counts as off (it almost always is; when it is on, the decision is overturned).
-    decision, totals = decide(paused=False)
+    shadows = shadow_drafts(payment.currency)  # before the locks: drafts that only watch
+
+    def decide_under_locks(*, exclusive: bool) -> tuple[Decision, Totals]:
+        # The payment's row is locked; these lock its customer, its agent, the switches and the
+        # currency's global total (refundops.locks says how and why), then the totals are read.
+        amount = ask.amount_minor if ask.amount_minor is not None else locked.refundable_minor  # as the policy
+        scopes = lock_scopes(customer_id=payment.customer_id, agent_id=agent_id, currency=payment.currency,
+                             exclusive=exclusive,
+                             slots=slots_for(amount, limits.global_daily_amount_minor if limits else None))
+        decision, totals = decide()
+        if (decision.outcome != "denied" and limits is not None
+                and not scopes.global_fast_path(limit_minor=limits.global_daily_amount_minor,
+                                                committed_minor=totals.global_day_minor,
+                                                amount_minor=decision.amount_minor)):
+            raise _NeedsEveryRefundInFlight
+        return decision, totals
+
     try:
-        with transaction.atomic():  # a savepoint; outbox rows written inside go if it is undone
-            refund = _write_refund(caller=caller, payment=payment, ask=ask, decision=decision, verdict=verdict,
-                                   now=now, idempotency_key=idempotency_key)
-            paused = lock_platform().refunds_paused
-            confirmed, totals = decide(paused, exclude_refund_id=refund.pk if refund else "")
-            if _outcome_key(confirmed) != _outcome_key(decision):
-                raise _Overturned
-    except _Overturned:  # undoing the savepoint also let go of the lock taken inside it
-        confirmed, totals = decide(lock_platform().refunds_paused)
-        refund = _write_refund(caller=caller, payment=payment, ask=ask, decision=confirmed, verdict=verdict,
-                               now=now, idempotency_key=idempotency_key)
-    decision = confirmed
+        with transaction.atomic():  # a savepoint: undoing it lets go of the locks taken inside it
+            decision, totals = decide_under_locks(exclusive=False)
+    except _NeedsEveryRefundInFlight:
+        decision, totals = decide_under_locks(exclusive=True)
+    refund = _write_refund(caller=caller, payment=payment, ask=ask, decision=decision, verdict=verdict,
+                           now=now, idempotency_key=idempotency_key)
     verdict.refund_id = refund.pk if refund else ""
     verdict.shadow = _shadow(shadows, decision, payment=locked, ask=refund_ask, limits=limits, rules=rules,
                              totals=totals, now=now, paused=verdict.policy_input["paused"], breaker_open=breaker_open,
@@ -210,14 +213,15 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
 
 def decide_resubmission(*, refund: Refund, caller: Caller, note: str, now: datetime) -> tuple[Decision, Verdict]:
     """The policy again for a failed refund a person sends again, on today's totals, under the
-    platform lock a new refund takes (the caller holds the payment's lock): resubmissions and new
-    refunds racing for the last of a limit are serialised like any two refunds. Records the verdict."""
+    locks a new refund takes (the caller holds the payment's), the currency's exclusively (it is
+    rare; it then sees every refund in flight): resubmissions and new refunds racing for the last of
+    a limit are serialised like any two refunds. Records the verdict."""
     payment = refund.payment
     limits, rules = active_limits(payment.currency), active_rules()
     ask = RefundAsk(amount_minor=refund.amount_minor, reason=refund.reason, destination="original_method",
                     agent_id=refund.agent_id, session_id=refund.agent_session_id,
                     requester_authority_minor=caller.refund_authority(payment.currency))
-    lock_platform()
+    lock_scopes(customer_id=payment.customer_id, agent_id=refund.agent_id, currency=payment.currency, exclusive=True)
     totals = running_totals(payment=payment, agent_id=refund.agent_id, session_id=refund.agent_session_id,
                             now=now, velocity_hours=rules.velocity_window_hours if rules else 24,
                             cumulative_hours=limits.cumulative_window_hours if limits else 24,
@@ -250,8 +254,9 @@ def _shadow(drafts: list[PolicyDraft], decision: Decision, *, payment, ask: Refu
     return seen
 
 
-class _Overturned(Exception):
-    """The decision taken without the platform lock does not stand under it."""
+class _NeedsEveryRefundInFlight(Exception):
+    """The refund would count against the global daily limit beyond what a decision may pass
+    without seeing the refunds in flight: decide it again with the currency's lock held exclusively."""
 
 
 def _outcome_key(decision: Decision) -> tuple[Any, ...]:
