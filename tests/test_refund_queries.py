@@ -52,3 +52,41 @@ def test_an_approved_refund_takes_28_statements_and_keeps_every_invariant(api, p
     assert list(verify_chain())[-1][2] == "ok"
     assert (sent[-1]["kwargs"], sent[-1]["queue"]) == ({"refund_id": refund.pk}, "payments.sandbox")
     assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()  # both effects sent on commit
+
+
+# The worker paying one approved refund on the sandbox (settle delay zero): the refund and its
+# payment read; BEGIN; the payment and refund locks (the payment named by the refund just read);
+# the attempts not yet finished (one query: a live lease or an unknown answer); the attempt; COMMIT;
+# the sandbox's own eight (its control row, its key looked up, BEGIN, the charge locked, the key
+# again under it, the charge, its refund, COMMIT); BEGIN; the two locks; the attempt closed; the
+# refund, its history and the merchant endpoints, twice (submitted, then settled); the attempts the
+# gateway's news resolves; the payment's sums; the verdict's gateway answer; the history row and
+# verdict the audit entry vouches for; the audit entry; COMMIT.
+WORKER_SETTLE_STATEMENTS = 32
+
+
+def test_the_worker_settles_an_approved_refund_in_32_statements_and_pays_it_once(api, policy, monkeypatch):
+    from processors import sandbox
+    from processors.models import SandboxRefund
+    from refundops.models import GatewayAttempt
+    from refundops.services import payouts
+
+    monkeypatch.setattr(submit_refund, "apply_async", lambda **options: None)
+    sandbox.set_mode("up", settle_delay_seconds=0)
+    payment = make_payment(amount=5_000)
+    response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_250, "reason": "duplicate"})
+    refund_id = response.json()["refund"]["id"]
+    connection.close()  # a fresh connection, as a worker's task starts with
+
+    with CaptureQueriesContext(connection) as queries:
+        refund = payouts.submit_refund(refund_id=refund_id)
+
+    assert len(queries) == WORKER_SETTLE_STATEMENTS, "\n".join(q["sql"][:100] for q in queries)
+    assert refund.status == RefundState.SETTLED
+    (paid,) = SandboxRefund.objects.filter(metadata__refund_id=refund_id)
+    assert (paid.amount_minor, paid.reference) == (1_250, refund.processor_refund_id)
+    assert list(GatewayAttempt.objects.filter(refund_id=refund_id).values_list("outcome", flat=True)) == ["succeeded"]
+    payment.refresh_from_db()
+    assert (payment.amount_reserved_minor, payment.amount_refunded_minor) == (0, 1_250)
+    assert AuditEntry.objects.filter(action="refund.settled", subject_id=refund_id).exists()
+    assert set(refund.history.values_list("status", flat=True)) >= {"approved", "submitted", "settled"}

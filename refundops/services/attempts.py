@@ -34,6 +34,11 @@ class RetryLater(ProcessorUnavailable):
         super().__init__(message, code="attempt_in_flight", retry_after=max(retry_after, 0.0))
 
 
+class AnswerUnknown(RetryLater):
+    """An earlier call's answer is unknown (or its lease ran out without one): look it up at the
+    gateway before calling it again."""
+
+
 def idempotency_key(refund: Refund) -> str:
     """The gateway key of the refund's current submission. The same for every call of it, so a
     retry, or a call after an unknown answer, is the same request to the gateway. A person's
@@ -59,13 +64,14 @@ def open_attempt(refund: Refund) -> GatewayAttempt:
     """A new live attempt for a refund whose row lock the caller holds. Refused while another
     worker's lease runs, or while an earlier answer is unknown (look it up first)."""
     now = timezone.now()
-    live = refund.attempts.filter(outcome=Outcome.LIVE).order_by("-lease_until").first()
+    pending = list(refund.attempts.filter(outcome__in=(Outcome.LIVE, Outcome.UNKNOWN)).order_by("-lease_until"))
+    live = next((attempt for attempt in pending if attempt.outcome == Outcome.LIVE), None)
     if live is not None and live.lease_until > now:
         raise RetryLater(f"refund {refund.pk}: another worker is calling the gateway ({live.worker})",
                          retry_after=(live.lease_until - now).total_seconds())
-    if live is not None or refund.attempts.filter(outcome=Outcome.UNKNOWN).exists():
-        raise RetryLater(f"refund {refund.pk}: an earlier call's answer is unknown; look it up first",
-                         retry_after=0)
+    if pending:  # a live one past its lease, or an unknown one
+        raise AnswerUnknown(f"refund {refund.pk}: an earlier call's answer is unknown; look it up first",
+                            retry_after=0)
     return GatewayAttempt.objects.create(
         refund=refund, idempotency_key=idempotency_key(refund), worker=WORKER_NAME,
         lease_until=now + timedelta(seconds=settings.GATEWAY_ATTEMPT_LEASE_SECONDS))

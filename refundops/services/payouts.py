@@ -89,11 +89,13 @@ def submit_refund(*, refund_id: str) -> Refund:
     refund = Refund.objects.select_related("payment").get(pk=refund_id)
     if refund.status != RefundState.APPROVED:
         return refund  # already submitted, settled, failed or canceled: nothing to do
-    if attempts.unresolved(refund):
+    try:
+        attempt, refund = _open_attempt(refund_id, payment_id=refund.payment_id)
+    except attempts.AnswerUnknown:  # rolled back: nothing was decided over the unknown answer
         refund = resolve_unknown_attempts(refund_id=refund_id)
         if refund.status != RefundState.APPROVED:
             return refund
-    attempt, refund = _open_attempt(refund_id)
+        attempt, refund = _open_attempt(refund_id, payment_id=refund.payment_id)
     if attempt is None:
         return refund
     processor = get_processor(refund.payment.processor, refund.payment.processor_account)
@@ -113,13 +115,14 @@ def submit_refund(*, refund_id: str) -> Refund:
     except BaseException as crash:  # a bug or a kill between call and answer: unknown, never "not paid"
         attempts.close_attempt(attempt, Outcome.UNKNOWN, code="worker_error", message=repr(crash)[:500])
         raise
-    return record_gateway_result(refund_id=refund.pk, result=result, attempt=attempt)
+    return record_gateway_result(refund_id=refund.pk, result=result, attempt=attempt, payment_id=refund.payment_id)
 
 
 @transaction.atomic
-def _open_attempt(refund_id: str) -> tuple[GatewayAttempt | None, Refund]:
-    """The last look before paying, under the refund's lock, and the attempt that pays it."""
-    refund = _cancel_if_disputed(_lock(refund_id))
+def _open_attempt(refund_id: str, *, payment_id: str) -> tuple[GatewayAttempt | None, Refund]:
+    """The last look before paying, under the refund's lock, and the attempt that pays it. Raises
+    ``AnswerUnknown`` (and writes nothing) while an earlier call's answer is unknown."""
+    refund = _cancel_if_disputed(_lock(refund_id, payment_id=payment_id))
     if refund.status != RefundState.APPROVED:
         return None, refund
     return attempts.open_attempt(refund), refund
@@ -208,12 +211,14 @@ def approved_by_a_person(refund: Refund) -> bool:
 
 
 @transaction.atomic
-def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: GatewayAttempt | None = None) -> Refund:
+def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: GatewayAttempt | None = None,
+                          payment_id: str | None = None) -> Refund:
     """Apply what the gateway says of one refund. Idempotent: the same answer twice changes nothing.
     A gateway refund that paid money is never dropped: it settles the refund whatever we thought
     of it, or, where our ledger cannot take it, it is raised to a person. The ``attempt`` that got
-    this answer is closed in the same transaction, so no worker sees it closed and the refund unpaid."""
-    refund = _lock(refund_id)
+    this answer is closed in the same transaction, so no worker sees it closed and the refund unpaid.
+    ``payment_id``: the refund's payment, when the caller has it (it spares a query)."""
+    refund = _lock(refund_id, payment_id=payment_id)
     if attempt is not None:
         attempts.close_attempt(attempt, Outcome.SUCCEEDED, processor_refund_id=result.processor_refund_id)
     paid = result.status in ("pending", "succeeded")
@@ -347,10 +352,16 @@ def gateway_backlog(*, now: datetime | None = None) -> list[dict[str, Any]]:
     return backlog
 
 
-def _lock(refund_id: str) -> Refund:
-    """Payment first, then refund: the order every writer takes them in."""
-    lock_payment(Refund.objects.values_list("payment_id", flat=True).get(pk=refund_id))
-    return lock_refund(refund_id)
+def _lock(refund_id: str, *, payment_id: str | None = None) -> Refund:
+    """Payment first, then refund: the order every writer takes them in. A refund's payment never
+    changes, so a caller that read the refund before may name it (one query fewer)."""
+    if payment_id is None:
+        payment_id = Refund.objects.values_list("payment_id", flat=True).get(pk=refund_id)
+    lock_payment(payment_id)
+    refund = lock_refund(refund_id)
+    if refund.payment_id != payment_id:  # never: a refund's payment is set once; a wrong caller
+        raise ValueError(f"refund {refund_id} is of payment {refund.payment_id}, not {payment_id}")
+    return refund
 
 
 def _save(refund: Refund, reason: str, *, previous: str) -> None:
