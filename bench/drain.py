@@ -76,6 +76,7 @@ class Drained:
     seconds: float = 0.0  # first attempt opened to last refund settled
     wall_seconds: float = 0.0  # worker started to last refund settled (its start-up included)
     seed_seconds: float = 0.0
+    connections: int = 0  # database sessions the worker opened, start to shutdown (pg_stat_database)
 
     @property
     def per_second(self) -> float:
@@ -223,6 +224,17 @@ class Bench:
                                [ids])
             return cursor.fetchone()[0]
 
+    def sessions(self) -> int:
+        """Sessions opened on the bench's database so far: each new connection counts once."""
+        from django.db import connection
+
+        connection.close()  # this process's next statement opens the one it keeps while a worker runs
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_stat_force_next_flush()")
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT sessions FROM pg_stat_database WHERE datname = current_database()")
+            return int(cursor.fetchone()[0])
+
     def span(self, kind: str, ids: list) -> float:
         """Seconds from the first refund's work starting to the last refund settled, from the database."""
         from django.db import connection
@@ -243,6 +255,7 @@ class Bench:
         result = Drained(refunds=len(ids), seed_seconds=seed_seconds)
         self.workers = Workers(1, self.env, self.workdir, self.queues, pool="prefork", concurrency=processes,
                                name=f"drain-{kind}-{processes}-", extra=["--include", "bench.drain_floor"])
+        sessions = self.sessions()
         started = time.monotonic()
         self.workers.start_all()
         profiler = self.start_profiler(kind, processes)
@@ -250,8 +263,7 @@ class Bench:
         last_log = started
         try:
             while True:
-                result.settled = self.settled_count(kind, ids)
-                connection.close()
+                result.settled = self.settled_count(kind, ids)  # on one kept connection
                 now = time.monotonic()
                 if result.settled >= len(ids) or now > deadline:
                     break
@@ -268,12 +280,13 @@ class Bench:
             self.stop_profiler(profiler)
             self.workers.shut_down_all()
         result.seconds = self.span(kind, ids)
+        result.connections = self.sessions() - sessions - 1  # not this process's own (it was kept)
         connection.close()
         if result.settled < len(ids):
             self.report.violations.append({"kind": "not_drained", "run": kind, "processes": processes,
                                            "settled": result.settled, "refunds": len(ids)})
         log(f"{kind}, {processes} process(es): {result.settled} settled in {result.seconds:.1f} s: "
-            f"{result.per_second:.1f} refunds/s")
+            f"{result.per_second:.1f} refunds/s; {result.connections} database connections opened")
         return result
 
     def start_profiler(self, kind: str, processes: int) -> subprocess.Popen | None:
@@ -407,10 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drain: {report['refunds']} approved refunds per run, sandbox settle delay 0, celery worker "
               f"--pool prefork, {report['cpus']} CPUs, load average {report['load_average']}")
         print(f"{'processes':>9} {'full refunds/s':>15} {'floor refunds/s':>16} {'full/floor':>11}"
-              f" {'full s':>7} {'floor s':>8}")
+              f" {'full s':>7} {'floor s':>8} {'connections':>12}")
         for run in report["runs"]:
             print(f"{run['processes']:>9} {run['full']['per_second']:>15.1f} {run['floor']['per_second']:>16.1f} "
-                  f"{run['ratio'] or 0:>11.3f} {run['full']['seconds']:>7.1f} {run['floor']['seconds']:>8.1f}")
+                  f"{run['ratio'] or 0:>11.3f} {run['full']['seconds']:>7.1f} {run['floor']['seconds']:>8.1f} "
+                  f"{run['full']['connections']:>12}")
         checked = report["checked"]
         if report["exactly_once"]:
             print(f"exactly once: {checked.get('refunds')} refunds settled, {checked.get('sandbox_refunds')} sandbox "

@@ -153,9 +153,14 @@ CELERY_WORKER_QUEUES = ["default", "payments.sandbox", "payments.stripe", "payme
 # still narrows a worker to one gateway.
 CELERY_TASK_QUEUES = [Queue(name, Exchange(name), routing_key=name) for name in CELERY_WORKER_QUEUES]
 CELERY_TASK_DEFAULT_QUEUE = "default"
-# Tasks a worker runs at once (the CPU count when unset); each holds one database connection while
-# it runs. Django closes it around every task, so the web's pool is not used in workers.
+# Tasks a worker runs at once (the CPU count when unset); each holds one database connection, kept
+# between tasks as CONN_MAX_AGE says (below), so the web's pool is not used in workers.
 CELERY_WORKER_CONCURRENCY = env.int("CELERY_WORKER_CONCURRENCY", default=None)
+# Celery's Django fixup closes every database connection before and after each task, whatever
+# CONN_MAX_AGE says, unless this is set (then it closes them every this many tasks). It is set, and
+# refundops/celery.py closes connections around each task as Django does around a request: in a
+# worker as on the web, CONN_MAX_AGE and CONN_HEALTH_CHECKS decide how long one is kept.
+CELERY_DB_REUSE_MAX = 1000
 # The transactional outbox (refundops/outbox.py): a row unsent this long after its commit (the
 # broker was down, or the process died) is sent by beat's relay, which runs this often.
 OUTBOX_GRACE_SECONDS = env.int("OUTBOX_GRACE_SECONDS", default=10)
