@@ -21,6 +21,7 @@ from django.utils import timezone
 from approvals.models import ApprovalAuthority
 from audit.services import record_audit
 from proposals.models import Proposal
+from refundops.locks import lock_currency
 from refundops.models import Agent, HoldRules, Merchant, MerchantEndpoint, PaymentLinkTemplate, RefundLimits
 from refundops.services import agents
 
@@ -76,6 +77,8 @@ def _latest(model, **series):
 
 def _apply_version(model, fields, series: dict[str, Any]):
     def apply(proposal: Proposal, approver) -> str:
+        if model is RefundLimits:  # waits for the refund decisions in flight on the limits they read
+            lock_currency(series(proposal)["currency"])
         latest = model.objects.select_for_update().filter(**series(proposal)).order_by("-version").first()
         values = {**(_values(latest, fields) if latest else {}), **proposal.changes}
         row = model.objects.create(**series(proposal), **values, version=(latest.version if latest else 0) + 1,

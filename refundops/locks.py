@@ -16,6 +16,9 @@ sessions). Refunds of different customers and agents run side by side. Two thing
   the headroom. A refund that finds too few slots free, or a day past three quarters of its limit,
   is decided again under the currency's lock held exclusively: it waits for those in flight and
   sees every one of them. So the limit holds exactly, and refunds serialise on it only near it.
+  The slots are sized by the limit, so every decision in flight must count on the same one: a change
+  of the limits takes the currency's lock exclusively (``lock_currency``), and a decision that finds
+  the limits it read are no longer the latest is decided again exclusively, on the latest.
 
 SQLite (the embedded mode) has no advisory locks and needs none: it lets one writer in at a time.
 """
@@ -118,6 +121,16 @@ def lock_scopes(*, customer_id: str, agent_id: str | None, currency: str, exclus
                                                        *(key for _, key in keys)])
         held = cursor.fetchone()[0]
     return ScopeLocks(exclusive=exclusive, slots=held)
+
+
+def lock_currency(currency: str) -> None:
+    """For a change of the currency's limits: waits for the decisions in flight (they hold the
+    currency's lock shared; a fast-path one holds slots sized by the limit it read) and holds later
+    ones until commit. A decision sees the limits it read are still the latest after its own locks
+    (``selectors.totals_and_pause``), so every decision in flight counts on the same limit."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_key("currency", currency)])
 
 
 def lock_platform() -> PlatformState:

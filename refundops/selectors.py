@@ -44,7 +44,8 @@ SELECT
     WHERE status = ANY(%(states)s) AND currency = %(currency)s AND counted_at >= %(day)s
       AND id <> %(exclude)s),
   pr.agents_sum, c.agents_window_sum,
-  COALESCE((SELECT refunds_paused FROM {platform} WHERE id = 1), false)
+  COALESCE((SELECT refunds_paused FROM {platform} WHERE id = 1), false),
+  COALESCE((SELECT MAX(version) FROM {limits} WHERE currency = %(currency)s), 0)
 FROM
   (SELECT COUNT(*) AS count, COALESCE(SUM(amount_minor) FILTER (WHERE origin = %(agent_origin)s), 0) AS agents_sum
      FROM {refund} WHERE payment_id = %(payment)s AND status = ANY(%(states)s) AND id <> %(exclude)s) pr,
@@ -69,7 +70,7 @@ FROM
     WHERE agent_id = %(agent)s AND status = ANY(%(states)s) AND currency = %(currency)s AND id <> %(exclude)s
       AND (counted_at >= LEAST(%(day)s, %(hour)s) OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
 """.format(refund=Refund._meta.db_table, payment=Payment._meta.db_table,
-           platform=PlatformState._meta.db_table)
+           platform=PlatformState._meta.db_table, limits=RefundLimits._meta.db_table)
 
 
 def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
@@ -84,19 +85,21 @@ def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, n
 
 def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
                      velocity_hours: int = 24, cumulative_hours: int = 24,
-                     exclude_refund_id: str = "") -> tuple[Totals, bool]:
-    """``running_totals``, and in the same statement whether the kill switch is on."""
+                     exclude_refund_id: str = "") -> tuple[Totals, bool, int]:
+    """``running_totals``, and in the same statement whether the kill switch is on and the latest
+    version of the currency's limits (0: none), as read after the decision's locks."""
     params = {"exclude": exclude_refund_id, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
               "agent": agent_id, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
               "day": start_of_day(now), "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
               "velocity": now - timedelta(hours=velocity_hours),
               "cumulative": now - timedelta(hours=cumulative_hours), "agent_origin": str(Refund.Origin.AGENT)}
     if connection.vendor != "postgresql":
-        return _running_totals_orm(params), PlatformState.current().refunds_paused
+        latest = active_limits(payment.currency)
+        return _running_totals_orm(params), PlatformState.current().refunds_paused, latest.version if latest else 0
     with connection.cursor() as cursor:
         cursor.execute(_TOTALS_SQL, params)
-        *totals, paused = cursor.fetchone()
-    return Totals(*(int(v) for v in totals)), bool(paused)
+        *totals, paused, limits_version = cursor.fetchone()
+    return Totals(*(int(v) for v in totals)), bool(paused), int(limits_version)
 
 
 def _running_totals_orm(p: dict) -> Totals:

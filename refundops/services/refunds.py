@@ -142,8 +142,8 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     breaker_open = bool(agent_id) and breaker.is_open(now=now)
     locked = copy.copy(payment)  # the payment as locked, before this request reserves anything
 
-    def decide() -> tuple[Decision, Totals]:
-        totals, paused = totals_and_pause(
+    def decide() -> tuple[Decision, Totals, int]:
+        totals, paused, limits_version = totals_and_pause(
             payment=locked, agent_id=agent_id, session_id=ask.agent.session_id, now=now,
             velocity_hours=rules.velocity_window_hours if rules else 24,
             cumulative_hours=limits.cumulative_window_hours if limits else 24)
@@ -153,12 +153,12 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
                                             ledger_mismatch=locked.ledger_mismatch)
         return evaluate_refund(payment=locked, limits=limits, rules=rules, totals=totals, now=now, ask=refund_ask,
                                paused=paused, breaker_open=breaker_open,
-                               ledger_mismatch=locked.ledger_mismatch), totals
+                               ledger_mismatch=locked.ledger_mismatch), totals, limits_version
 
     verdict = Verdict(**base, payment_id=payment.pk, currency=payment.currency,
                       policy_version=policy_version(limits, rules))
     if dry_run:
-        decision, totals = decide()
+        decision, totals, _ = decide()
         _fill_verdict(verdict, decision, totals).save()
         return _check_answer(payment, decision, verdict, totals, limits)
 
@@ -167,11 +167,17 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     def decide_under_locks(*, exclusive: bool) -> tuple[Decision, Totals]:
         # The payment's row is locked; these lock its customer, its agent, the switches and the
         # currency's global total (refundops.locks says how and why), then the totals are read.
+        nonlocal limits
         amount = ask.amount_minor if ask.amount_minor is not None else locked.refundable_minor  # as the policy
         scopes = lock_scopes(customer_id=payment.customer_id, agent_id=agent_id, currency=payment.currency,
                              exclusive=exclusive,
                              slots=slots_for(amount, limits.global_daily_amount_minor if limits else None))
-        decision, totals = decide()
+        if exclusive:  # no change of the limits commits while this is held (refundops.locks.lock_currency)
+            limits = active_limits(payment.currency)
+            verdict.policy_version = policy_version(limits, rules)
+        decision, totals, limits_version = decide()
+        if not exclusive and limits_version != (limits.version if limits else 0):
+            raise _NeedsEveryRefundInFlight  # the limits changed since they were read: the slots mean another size
         if (decision.outcome != "denied" and limits is not None
                 and not scopes.global_fast_path(limit_minor=limits.global_daily_amount_minor,
                                                 committed_minor=totals.global_day_minor,
@@ -217,11 +223,11 @@ def decide_resubmission(*, refund: Refund, caller: Caller, note: str, now: datet
     rare; it then sees every refund in flight): resubmissions and new refunds racing for the last of
     a limit are serialised like any two refunds. Records the verdict."""
     payment = refund.payment
-    limits, rules = active_limits(payment.currency), active_rules()
+    lock_scopes(customer_id=payment.customer_id, agent_id=refund.agent_id, currency=payment.currency, exclusive=True)
+    limits, rules = active_limits(payment.currency), active_rules()  # under the lock a change of limits takes
     ask = RefundAsk(amount_minor=refund.amount_minor, reason=refund.reason, destination="original_method",
                     agent_id=refund.agent_id, session_id=refund.agent_session_id,
                     requester_authority_minor=caller.refund_authority(payment.currency))
-    lock_scopes(customer_id=payment.customer_id, agent_id=refund.agent_id, currency=payment.currency, exclusive=True)
     totals = running_totals(payment=payment, agent_id=refund.agent_id, session_id=refund.agent_session_id,
                             now=now, velocity_hours=rules.velocity_window_hours if rules else 24,
                             cumulative_hours=limits.cumulative_window_hours if limits else 24,
