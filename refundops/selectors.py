@@ -44,7 +44,7 @@ SELECT
     WHERE status = ANY(%(states)s) AND currency = %(currency)s AND counted_at >= %(day)s
       AND id <> %(exclude)s),
   pr.agents_sum, c.agents_window_sum,
-  COALESCE((SELECT refunds_paused FROM {platform} WHERE id = 1), false),
+  COALESCE((SELECT refunds_paused OR agents_disabled FROM {platform} WHERE id = 1), false),
   COALESCE((SELECT MAX(version) FROM {limits} WHERE currency = %(currency)s), 0)
 FROM
   (SELECT COUNT(*) AS count, COALESCE(SUM(amount_minor) FILTER (WHERE origin = %(agent_origin)s), 0) AS agents_sum
@@ -86,8 +86,10 @@ def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, n
 def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
                      velocity_hours: int = 24, cumulative_hours: int = 24,
                      exclude_refund_id: str = "") -> tuple[Totals, bool, int]:
-    """``running_totals``, and in the same statement whether the kill switch is on and the latest
-    version of the currency's limits (0: none), as read after the decision's locks."""
+    """``running_totals``, and in the same statement whether agent refunds are paused (the kill
+    switch, or all agents switched off: a request whose key was checked before the switch is decided
+    after it) and the latest version of the currency's limits (0: none), as read after the decision's
+    locks."""
     params = {"exclude": exclude_refund_id, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
               "agent": agent_id, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
               "day": start_of_day(now), "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
@@ -95,7 +97,9 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
               "cumulative": now - timedelta(hours=cumulative_hours), "agent_origin": str(Refund.Origin.AGENT)}
     if connection.vendor != "postgresql":
         latest = active_limits(payment.currency)
-        return _running_totals_orm(params), PlatformState.current().refunds_paused, latest.version if latest else 0
+        state = PlatformState.current()
+        return (_running_totals_orm(params), state.refunds_paused or state.agents_disabled,
+                latest.version if latest else 0)
     with connection.cursor() as cursor:
         cursor.execute(_TOTALS_SQL, params)
         *totals, paused, limits_version = cursor.fetchone()

@@ -88,3 +88,35 @@ def test_a_global_daily_limit_lowered_while_a_refund_is_in_flight_holds_for_the_
     assert first_done == [201] and changed == [Proposal.Status.APPROVED]
     assert later_done == ["DAILY_LIMIT_REACHED"], later_done
     assert counted_today() == 12_000
+
+
+def test_a_refund_decided_after_agents_are_switched_off_is_refused_though_its_key_was_checked_before(monkeypatch):
+    """The key is checked when the request comes in; the switch commits while the request waits for
+    its customer's lock (a refund of the same customer is in flight). The decision comes after the
+    switch: like the kill switch, it must see it (refundops.locks.lock_platform)."""
+    from refundops.access import authenticate_key
+    from refundops.callers import Caller
+    from refundops.services.agents import set_agents_disabled
+    from refundops.services.refunds import request_refund
+
+    make_rules(), make_limits()
+    busy_key, _ = make_agent_key()
+    key, raw = make_agent_key()
+    busy = make_payment(amount=20_000)
+    paused = Paused(monkeypatch)
+    first, first_done = paused.start(lambda: agent_refund(busy_key, busy, 1_000).status)
+    caller = Caller.for_key(authenticate_key(raw))  # agents are on when the request comes in
+    later, later_done = in_thread(lambda: request_refund(
+        caller=caller, idempotency_key="after-the-switch",
+        data={"transaction_id": make_payment(customer=busy.customer).pk, "amount": 1_000,
+              "reason": "customer_request"}).code)
+    later.join(timeout=1.5)
+    assert later.is_alive()  # waits for the refund of its customer in flight
+    switch, switched = in_thread(lambda: set_agents_disabled(disabled=True, actor="cli:test").agents_disabled)
+    switch.join(timeout=1.5)
+    paused.release()
+    for thread in (first, switch, later):
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+    assert first_done == [201] and switched == [True]
+    assert later_done == ["CIRCUIT_OPEN"], later_done
