@@ -5,16 +5,25 @@ limits do. Real PostgreSQL, real threads."""
 from __future__ import annotations
 
 import threading
+import uuid
 
 import pytest
+from django.db import connection
 from django.db.models import Sum
 
+from audit.models import AuditEntry, Verdict
+from processors.base import RefundResult, WebhookEvent
+from processors.money import Money
 from proposals.models import Proposal
 from proposals.services import approve_proposal, propose_change
-from refundops.models import COUNTING_STATES, Refund
-from tests.conftest import make_agent_key, make_limits, make_payment, make_rules
+from refundops import locks
+from refundops.callers import Caller
+from refundops.models import COUNTING_STATES, Refund, RefundState
+from refundops.services.gateway_events import record_external_refund
+from refundops.services.refunds import request_refund
+from tests.conftest import make_agent_key, make_limits, make_payment, make_rules, make_staff, race
 from tests.test_four_eyes import staff
-from tests.test_scope_locks import agent_refund, in_thread
+from tests.test_scope_locks import _signed, agent_refund, in_thread
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("quiet_breaker")]
 
@@ -120,3 +129,150 @@ def test_a_refund_decided_after_agents_are_switched_off_is_refused_though_its_ke
         assert not thread.is_alive()
     assert first_done == [201] and switched == [True]
     assert later_done == ["CIRCUIT_OPEN"], later_done
+
+
+# -- attacks that held on 478f0b9: kept so they keep holding -------------------------------------
+
+def _slots_and_currency_held_by(thread_pid: int, currency: str = "USD") -> tuple[int, str]:
+    """How many fast-path slots the backend ``thread_pid`` holds, and its mode on the currency's lock."""
+    slots = [locks._key("slot", currency, str(i)) for i in range(locks.FAST_PATH_SLOTS)]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT (classid::bigint << 32) | objid::bigint, mode FROM pg_locks "
+                       "WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND pid = %s", [thread_pid])
+        held = {_signed(key): mode for key, mode in cursor.fetchall()}
+    return sum(key in held for key in slots), held.get(locks._key("currency", currency), "")
+
+
+def _pid_of_the_paused_one() -> int:
+    """The backend of the one other session holding this database's currency lock (a paused decision)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
+                       "AND pid <> pg_backend_pid() AND ((classid::bigint << 32) | objid::bigint) = %s",
+                       [locks._key("currency", "USD") & ((1 << 64) - 1)])
+        pids = {row[0] for row in cursor.fetchall()}
+    assert len(pids) == 1, pids
+    return pids.pop()
+
+
+def test_a_refund_of_the_whole_refundable_holds_the_slots_that_amount_fills(monkeypatch):
+    """No amount asked: the policy decides on what is still refundable, and the fast path took its
+    slots for that same amount (7,500 of slots of 1,000: eight), not for none."""
+    make_rules(), make_limits(global_daily_amount_minor=128_000)
+    person = make_staff("finance-whole")
+    payment = make_payment(amount=7_500)
+    paused = Paused(monkeypatch)
+    thread, done = paused.start(lambda: request_refund(
+        caller=Caller.for_user(person), idempotency_key=uuid.uuid4().hex,
+        data={"transaction_id": payment.pk, "reason": "customer_request"}).body["refund"]["amount"])
+    slots, currency_mode = _slots_and_currency_held_by(_pid_of_the_paused_one())
+    paused.release()
+    thread.join(timeout=20)
+    assert done == [7_500]
+    assert (slots, currency_mode) == (8, "ShareLock")
+
+
+def test_a_decision_near_the_limit_is_redone_holding_the_currency_exclusively_no_slot_and_one_of_each(monkeypatch):
+    """Past three quarters of the day's limit the fast path gives way: the savepoint is undone (its
+    slots and shared locks go) and the decision is taken again holding the currency's lock
+    exclusively. What the first try read leaves nothing: one verdict, one refund, one audit entry."""
+    make_rules(), make_limits(global_daily_amount_minor=12_800)
+    filler = make_payment(amount=12_800)
+    Refund.objects.create(payment=filler, amount_minor=9_600, currency="USD", reason="duplicate",
+                          status=RefundState.SETTLED)
+    key, _ = make_agent_key()
+    payment = make_payment()
+    paused = Paused(monkeypatch)
+    thread, done = paused.start(lambda: agent_refund(key, payment, 100).body["refund"]["id"])
+    slots, currency_mode = _slots_and_currency_held_by(_pid_of_the_paused_one())
+    paused.release()
+    thread.join(timeout=20)
+    assert (slots, currency_mode) == (0, "ExclusiveLock")
+    [refund_id] = done
+    assert Verdict.objects.filter(payment_id=payment.pk).count() == 1
+    assert Refund.objects.filter(payment=payment).count() == 1
+    assert AuditEntry.objects.filter(subject_id=refund_id, action="refund.approved").count() == 1
+
+
+def test_an_external_refund_waits_for_a_fast_path_refund_in_flight_and_the_next_decision_counts_both(monkeypatch):
+    """A refund made on the gateway counts in the day's total at once; it is no decision holding
+    slots, so it takes the currency's lock exclusively: it waits for the fast-path refund in flight,
+    and a decision after it sees them both (12,800 limit: 1,000 + 9,000, then 2,801 is over it)."""
+    make_rules(), make_limits(global_daily_amount_minor=12_800)
+    key, _ = make_agent_key()
+    paused = Paused(monkeypatch)
+    first, first_done = paused.start(lambda: agent_refund(key, make_payment(), 1_000).status)
+    gateway_paid = make_payment(amount=9_000)
+    external, recorded = in_thread(lambda: record_external_refund(
+        payment_id=gateway_paid.pk, reason="customer_request",
+        result=RefundResult(processor_refund_id="re_dashboard", status="succeeded", amount=Money(9_000, "USD")),
+        event=WebhookEvent(processor="sandbox", event_id="evt_dashboard", type="refund.created",
+                           object_id="re_dashboard")))
+    external.join(timeout=1.5)
+    assert external.is_alive() and not recorded  # the refund in flight is decided before it
+    paused.release()
+    for thread in (first, external):
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+    assert first_done == [201] and "recorded external refund" in recorded[0]
+    assert agent_refund(key, make_payment(), 2_801).code == "DAILY_LIMIT_REACHED"
+    assert agent_refund(key, make_payment(), 2_800).status == 201
+
+
+def test_every_writer_of_the_day_total_racing_on_shared_customers_and_agents_deadlocks_none_and_keeps_the_limit():
+    """Agents' refunds (fast and exclusive), people's refunds of the whole refundable, resubmissions,
+    refunds made on the gateway, the kill switch going on and off and a change of the limits, all at
+    once on three customers and three agents, across the day's three-quarter mark: nothing waits on
+    anything in a circle (PostgreSQL would fail one with a deadlock), and the decided refunds keep the
+    day's limit (the gateway's refunds are facts: only they may take it over)."""
+    from approvals.services import ApprovalError, resubmit_refund
+    from refundops.services.agents import set_killswitch
+    from tests.test_approvals import approver
+    from tests.test_resubmit import failed_refund
+
+    make_rules()
+    limit = 12_800  # slots of 100
+    make_limits(global_daily_amount_minor=limit)
+    customers = [make_payment().customer for _ in range(3)]
+    Refund.objects.create(payment=make_payment(amount=limit, customer=customers[0]), amount_minor=9_400,
+                          currency="USD", reason="duplicate", status=RefundState.SETTLED)
+    keys = [make_agent_key() for _ in range(3)]
+    person, resubmitter = make_staff("finance-race"), approver("alice", limit=50_000)
+    maker, _ = staff("maker", "finance approver")
+    checker, _ = staff("checker", "finance approver")
+    proposal = propose_change(kind=Proposal.Kind.REFUND_LIMITS, subject_id="USD",
+                              changes={"customer_30d_count": 9_999}, proposer=maker)
+    failed = [failed_refund(200, payment=make_payment(amount=1_000, customer=customers[i]), key=keys[i][0])
+              for i in range(2)]
+    jobs = []
+    for i in range(14):
+        payment = make_payment(customer=customers[i % 3])
+        jobs.append(lambda i=i, payment=payment: agent_refund(keys[i % 3][0], payment, 100 + 100 * (i % 3)).code
+                    or "approved")
+    for i in range(2):
+        payment = make_payment(amount=300, customer=customers[i])
+        jobs.append(lambda payment=payment: request_refund(
+            caller=Caller.for_user(person), idempotency_key=uuid.uuid4().hex,
+            data={"transaction_id": payment.pk, "reason": "customer_request"}).code or "approved")
+    for refund in failed:
+        def resubmit(refund=refund):
+            try:
+                return resubmit_refund(refund_id=refund.pk, approver=resubmitter).status
+            except ApprovalError as refused:
+                return refused.code
+        jobs.append(resubmit)
+    for i in range(2):
+        payment = make_payment(amount=1_000, customer=customers[i + 1])
+        jobs.append(lambda i=i, payment=payment: record_external_refund(
+            payment_id=payment.pk, reason="customer_request",
+            result=RefundResult(processor_refund_id=f"re_race{i}", status="succeeded", amount=Money(100, "USD")),
+            event=WebhookEvent(processor="sandbox", event_id=f"evt_race{i}", type="refund.created",
+                               object_id=f"re_race{i}")) and "external")
+    jobs.append(lambda: (set_killswitch(on=True, actor="cli:race"), set_killswitch(on=False, actor="cli:race"))
+                and "switched")
+    jobs.append(lambda: approve_proposal(proposal_id=proposal.pk, approver=checker).status)
+
+    results = race(len(jobs), lambda i: jobs[i]())  # fails on any thread's error: a deadlock is one
+    assert set(results) <= {"approved", "held", "DAILY_LIMIT_REACHED", "CIRCUIT_OPEN", "external", "switched",
+                            Proposal.Status.APPROVED}, results
+    assert "approved" in results and "DAILY_LIMIT_REACHED" in results, results
+    assert counted_today() <= limit + 2 * 100
