@@ -10,6 +10,22 @@ from starlette.types import Receive, Scope, Send
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "refundops.settings")
 django_app = get_asgi_application()  # sets Django up before anything imports models
 
+from django.core.handlers.asgi import ASGIHandler  # noqa: E402
+from django.core.signals import request_finished  # noqa: E402
+from django.db import connections  # noqa: E402
+
+
+def close_request_connections(**kwargs) -> None:
+    """Each ASGI request runs in a thread of its own that ends with it: its connection goes back to
+    the pool (settings turn the pool on here), or, with DATABASE_POOL=false or settings read
+    before this module (a test process), is closed rather than left behind with the thread."""
+    for conn in connections.all(initialized_only=True):
+        if not conn.in_atomic_block:
+            conn.close()
+
+
+request_finished.connect(close_request_connections, sender=ASGIHandler)
+
 from refundops.mcp_server import MCP_PATH, http_app  # noqa: E402
 
 mcp_app = http_app()

@@ -1,4 +1,5 @@
 import os
+import threading
 
 from celery import Celery, signals
 
@@ -22,3 +23,18 @@ def close_old_connections(sender=None, **kwargs) -> None:
     from django.db import close_old_connections as close
 
     close()
+
+
+@signals.task_postrun.connect
+def close_pool_thread_connections(sender=None, **kwargs) -> None:
+    """After a task run by a pool of threads (``--pool threads``), whose threads may end with it:
+    close the thread's connections rather than leave them open behind it (an in-process test
+    worker's did, until the test database could not be dropped). Prefork (the default) and solo
+    run tasks in their process's main thread, which keeps its connection from task to task."""
+    if getattr(getattr(sender, "request", None), "is_eager", False) or threading.current_thread() is threading.main_thread():
+        return
+    from django.db import connections
+
+    for conn in connections.all(initialized_only=True):
+        if not conn.in_atomic_block:
+            conn.close()

@@ -6,6 +6,7 @@ fakeredis. That embedded mode is for trying the product on one machine; producti
 suite set both URLs (PostgreSQL and Redis).
 """
 
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -108,13 +109,19 @@ DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'r
 DATABASES["default"]["ATOMIC_REQUESTS"] = False
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20, "transaction_mode": "IMMEDIATE"})
-elif env.bool("DATABASE_POOL", default=False):
-    # Under ASGI each request runs in a short-lived thread, so persistent connections give
-    # nothing; a psycopg pool does. Off in tests (pytest-django creates and drops databases).
+elif env.bool("DATABASE_POOL", default="refundops.asgi" in sys.modules or sys.argv[1:2] == ["mcp"]):
+    # Under ASGI (refundops.asgi: uvicorn, gunicorn's UvicornWorker, MCP over HTTP) and in
+    # `manage.py mcp` (stdio) each request runs in a thread of its own that ends with it, so a
+    # persistent connection would be left behind with its thread: Django's docs say to pool
+    # instead. So these processes have a psycopg pool unless DATABASE_POOL says otherwise.
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": env.int("DATABASE_POOL_MIN", default=2), "max_size": env.int("DATABASE_POOL_MAX", default=20)}
 else:
-    DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=0)
+    # Everywhere else (WSGI workers, Celery workers and beat, commands, tests) each thread keeps
+    # its connection for this long, checked before it is used again after a request or task (a
+    # PostgreSQL restart costs one reconnect, not an error). Never a connection per request.
+    DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=600)
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Redis holds only what may be rebuilt: rate-limit windows, breaker state, the broker's queue.
