@@ -46,14 +46,14 @@ def _setting(name: str) -> float:
     return float(getattr(settings, name, DEFAULTS[name]))
 
 
-def announce_refund(refund: Refund, *, previous: str | None) -> list[WebhookDelivery]:
+def announce_refund(refund: Refund, *, previous: str | None,
+                    endpoints: list[MerchantEndpoint] | None = None) -> list[WebhookDelivery]:
     """Queue the event for the state ``refund`` was just saved in, having left ``previous`` (None:
-    a new refund). Call it in the transaction that saved the change, once per state moved into."""
+    a new refund). Call it in the transaction that saved the change, once per state moved into.
+    ``endpoints``: :func:`active_endpoints` read earlier in this same transaction (a service that
+    moves one refund twice reads them once)."""
     event_type = f"refund.{refund.status}"
-    # The payment's merchant's endpoints only, in the same query (a subquery, not another statement).
-    merchant = Payment.objects.filter(pk=refund.payment_id).values("merchant_id")[:1]
-    endpoints = [e for e in MerchantEndpoint.objects.filter(active=True, merchant_id=Subquery(merchant))
-                 if e.wants(event_type)]
+    endpoints = [e for e in (active_endpoints(refund) if endpoints is None else endpoints) if e.wants(event_type)]
     if not endpoints:
         return []
     now = timezone.now()
@@ -68,6 +68,13 @@ def announce_refund(refund: Refund, *, previous: str | None) -> list[WebhookDeli
                         next_attempt_at=now) for endpoint in endpoints)
     outbox.send_each_after_commit(DELIVER_TASK, [{"delivery_id": delivery.pk} for delivery in deliveries])
     return deliveries
+
+
+def active_endpoints(refund: Refund) -> list[MerchantEndpoint]:
+    """The active endpoints of the refund's payment's merchant, in one query (a subquery for the
+    merchant, not another statement)."""
+    merchant = Payment.objects.filter(pk=refund.payment_id).values("merchant_id")[:1]
+    return list(MerchantEndpoint.objects.filter(active=True, merchant_id=Subquery(merchant)))
 
 
 def deliver_overdue(*, older_than_seconds: float | None = None, limit: int = 500) -> int:

@@ -42,6 +42,7 @@ UPDATE {_TABLE} SET next_try_at = %s, tries = tries + 1
                WHERE sent_at IS NULL AND next_try_at <= %s AND created_at <= %s {{only}}
                ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)
 RETURNING id, task, kwargs, queue"""
+_SENT_SQL = f"UPDATE {_TABLE} SET sent_at = %s WHERE id = ANY(%s)"
 
 
 def send_after_commit(task: str, kwargs: dict[str, Any], *, queue: str = "") -> OutboxMessage:
@@ -57,12 +58,40 @@ def send_each_after_commit(task: str, each_kwargs: list[dict[str, Any]], *, queu
     messages = OutboxMessage.objects.bulk_create(
         OutboxMessage(task=task, kwargs=kwargs, queue=queue) for kwargs in each_kwargs)
     ids = [message.pk for message in messages]
-    transaction.on_commit(lambda: _nudge(ids), robust=True)
+    nudge = _pending_nudge()
+    if nudge is not None:
+        nudge.ids.extend(ids)
+    else:
+        transaction.on_commit(_Nudge(ids), robust=True)
     return messages
 
 
+class _Nudge:
+    """Right after the commit: send these rows (one claim, one publish each, one mark). Whatever
+    goes wrong is the relay's to retry."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def __call__(self) -> None:
+        _nudge(self.ids)
+
+
+def _pending_nudge() -> _Nudge | None:
+    """The nudge this transaction already registered, if rows written now may join it: it is still
+    to run at commit, and was registered outside every savepoint open now or in one of them, so
+    undoing a savepoint either drops both or neither. One transaction's rows are then claimed and
+    marked sent together (a refund writes two), not a statement pair each."""
+    if not connection.in_atomic_block:
+        return None
+    open_savepoints = set(connection.savepoint_ids)
+    for savepoints, hook, _robust in reversed(connection.run_on_commit):
+        if isinstance(hook, _Nudge) and savepoints <= open_savepoints:
+            return hook
+    return None
+
+
 def _nudge(message_ids: list[int]) -> None:
-    """Right after the commit: send these rows. Whatever goes wrong is the relay's to retry."""
     try:
         send_claimed(_claim(ids=message_ids, now=timezone.now()), retry=False)  # the caller waits: one try
     except Exception:  # noqa: BLE001 - the caller's change stands; the relay sends it later
@@ -116,6 +145,7 @@ def send_claimed(rows: list[tuple], *, retry: bool = True) -> int:
         else:
             sent.append(message_id)
     if sent:
-        OutboxMessage.objects.filter(pk__in=sent).update(sent_at=timezone.now())
+        with connection.cursor() as cursor:
+            cursor.execute(_SENT_SQL, [timezone.now(), sent])
     return len(sent)
 

@@ -292,7 +292,8 @@ def _write_refund(*, caller: Caller, payment: Payment, ask: RefundInput, decisio
     # History names who asked and which verdict moved it (agents are not Django users).
     refund._change_reason = f"requested by {caller.label}"
     refund.save()
-    outbound.announce_refund(refund, previous=None)
+    endpoints = outbound.active_endpoints(refund)  # read once for both events, in this transaction
+    outbound.announce_refund(refund, previous=None, endpoints=endpoints)
     if decision.outcome == "approved":
         refund.approve_automatically()
     elif decision.outcome == "held":
@@ -302,7 +303,7 @@ def _write_refund(*, caller: Caller, payment: Payment, ask: RefundInput, decisio
     refund._change_reason = f"verdict {verdict.id}: {decision.outcome}" + (
         f" ({decision.code})" if decision.code else "")
     refund.save()
-    outbound.announce_refund(refund, previous=RefundState.REQUESTED)
+    outbound.announce_refund(refund, previous=RefundState.REQUESTED, endpoints=endpoints)
     sync_payment_amounts(payment)
     return refund
 
