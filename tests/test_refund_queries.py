@@ -18,15 +18,16 @@ pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, a
 # The key (with the "all agents off" switch); BEGIN; the idempotency claim; the payment lock;
 # limits; hold rules; the drafts running in shadow; SAVEPOINT; the customer's, agent's, platform's
 # and currency's locks (one statement, refundops.locks); running totals with the kill switch;
-# RELEASE; the refund and its history, the merchant endpoints (read once), the refund's move and
-# its history (requested, then approved); the payment's sums; the verdict; the audit entry (no
-# lock: sealed after the commit); the stored answer; the two outbox rows (the breaker's count and
-# the submission); COMMIT. After the commit, no lock held: one nudge claims both rows and marks
-# them sent (two statements). The submission is routed by the payment's processor, without a query.
-APPROVED_REFUND_STATEMENTS = 25
+# RELEASE; the refund, once in its final state; its two history rows (requested, then approved)
+# in one insert; the merchant endpoints (read once for both events); the payment's sums; the
+# verdict; the audit entry (no lock: sealed after the commit); the stored answer; the two outbox
+# rows (the breaker's count and the submission); COMMIT. After the commit, no lock held: one nudge
+# claims both rows and marks them sent (two statements). The submission is routed by the
+# payment's processor, without a query.
+APPROVED_REFUND_STATEMENTS = 23
 
 
-def test_an_approved_refund_takes_25_statements_and_keeps_every_invariant(api, policy, monkeypatch):
+def test_an_approved_refund_takes_23_statements_and_keeps_every_invariant(api, policy, monkeypatch):
     sent: list[dict] = []
     monkeypatch.setattr(submit_refund, "apply_async", lambda **options: sent.append(options))
     # The key's first use is stamped and the platform row made once; neither is the steady state.

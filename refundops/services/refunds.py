@@ -289,23 +289,43 @@ def _write_refund(*, caller: Caller, payment: Payment, ask: RefundInput, decisio
         agent_reasoning=ask.agent.reasoning, conversation_context=ask.agent.conversation_context,
         idempotency_key=idempotency_key, verdict_id=verdict.id, counted_at=now,
         estimated_arrival=estimate_arrival(payment, now.date()))
-    # History names who asked and which verdict moved it (agents are not Django users).
-    refund._change_reason = f"requested by {caller.label}"
-    refund.save()
-    endpoints = outbound.active_endpoints(refund)  # read once for both events, in this transaction
-    outbound.announce_refund(refund, previous=None, endpoints=endpoints)
+    # The refund is written once, in the state the verdict moves it into (the transition below
+    # still checks it may leave "requested"), with both history rows in one insert: requested,
+    # then the verdict's state. History names who asked and which verdict moved it (agents are
+    # not Django users); each state moved into is announced, as if saved in turn.
+    requested_at = timezone.now()
+    requested = copy.copy(refund)  # the refund as asked for, before the verdict moved it
     if decision.outcome == "approved":
         refund.approve_automatically()
     elif decision.outcome == "held":
         refund.hold(reasons=decision.hold_reasons)
     else:
         refund.deny(code=decision.code, message=decision.message)
-    refund._change_reason = f"verdict {verdict.id}: {decision.outcome}" + (
-        f" ({decision.code})" if decision.code else "")
-    refund.save()
+    refund.skip_history_when_saving = True  # written just below, both rows at once
+    try:
+        refund.save(force_insert=True)
+    finally:
+        del refund.skip_history_when_saving
+    requested.created_at, requested.updated_at = refund.created_at, refund.updated_at
+    _write_history(refund, [(requested, "+", f"requested by {caller.label}", requested_at),
+                            (refund, "~", f"verdict {verdict.id}: {decision.outcome}" + (
+                                f" ({decision.code})" if decision.code else ""), timezone.now())])
+    endpoints = outbound.active_endpoints(refund)  # read once for both events, in this transaction
+    outbound.announce_refund(requested, previous=None, endpoints=endpoints)
     outbound.announce_refund(refund, previous=RefundState.REQUESTED, endpoints=endpoints)
     sync_payment_amounts(payment)
     return refund
+
+
+def _write_history(refund: Refund, rows: list[tuple[Refund, str, str, datetime]]) -> None:
+    """The history rows simple_history would write on each save of these states of ``refund`` (its
+    type, change reason, date, and user as its middleware sees it), in one insert."""
+    history = Refund.history.model
+    user = history.get_default_history_user(refund)
+    history.objects.bulk_create([
+        history(history_date=at, history_type=kind, history_user=user, history_change_reason=reason,
+                **{field.attname: getattr(state, field.attname) for field in history.tracked_fields})
+        for state, kind, reason, at in rows])
 
 
 # Sums and stores in one statement (PostgreSQL and SQLite): the aggregate, then the update, each
