@@ -120,10 +120,11 @@ def test_a_refund_decided_after_agents_are_switched_off_is_refused_though_its_ke
         data={"transaction_id": make_payment(customer=busy.customer).pk, "amount": 1_000,
               "reason": "customer_request"}).code)
     later.join(timeout=1.5)
-    assert later.is_alive()  # waits for the refund of its customer in flight
+    waited = later.is_alive()  # for the refund of its customer in flight
     switch, switched = in_thread(lambda: set_agents_disabled(disabled=True, actor="cli:test").agents_disabled)
     switch.join(timeout=1.5)
     paused.release()
+    assert waited
     for thread in (first, switch, later):
         thread.join(timeout=20)
         assert not thread.is_alive()
@@ -147,7 +148,8 @@ def _pid_of_the_paused_one() -> int:
     """The backend of the one other session holding this database's currency lock (a paused decision)."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
-                       "AND pid <> pg_backend_pid() AND ((classid::bigint << 32) | objid::bigint) = %s",
+                       "AND pid <> pg_backend_pid() AND ((classid::bigint << 32) | objid::bigint) = %s "
+                       "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
                        [locks._key("currency", "USD") & ((1 << 64) - 1)])
         pids = {row[0] for row in cursor.fetchall()}
     assert len(pids) == 1, pids
@@ -164,8 +166,10 @@ def test_a_refund_of_the_whole_refundable_holds_the_slots_that_amount_fills(monk
     thread, done = paused.start(lambda: request_refund(
         caller=Caller.for_user(person), idempotency_key=uuid.uuid4().hex,
         data={"transaction_id": payment.pk, "reason": "customer_request"}).body["refund"]["amount"])
-    slots, currency_mode = _slots_and_currency_held_by(_pid_of_the_paused_one())
-    paused.release()
+    try:
+        slots, currency_mode = _slots_and_currency_held_by(_pid_of_the_paused_one())
+    finally:
+        paused.release()
     thread.join(timeout=20)
     assert done == [7_500]
     assert (slots, currency_mode) == (8, "ShareLock")
@@ -183,8 +187,10 @@ def test_a_decision_near_the_limit_is_redone_holding_the_currency_exclusively_no
     payment = make_payment()
     paused = Paused(monkeypatch)
     thread, done = paused.start(lambda: agent_refund(key, payment, 100).body["refund"]["id"])
-    slots, currency_mode = _slots_and_currency_held_by(_pid_of_the_paused_one())
-    paused.release()
+    try:
+        slots, currency_mode = _slots_and_currency_held_by(_pid_of_the_paused_one())
+    finally:
+        paused.release()
     thread.join(timeout=20)
     assert (slots, currency_mode) == (0, "ExclusiveLock")
     [refund_id] = done
@@ -208,8 +214,9 @@ def test_an_external_refund_waits_for_a_fast_path_refund_in_flight_and_the_next_
         event=WebhookEvent(processor="sandbox", event_id="evt_dashboard", type="refund.created",
                            object_id="re_dashboard")))
     external.join(timeout=1.5)
-    assert external.is_alive() and not recorded  # the refund in flight is decided before it
+    waited = external.is_alive() and not recorded  # the refund in flight is decided before it
     paused.release()
+    assert waited
     for thread in (first, external):
         thread.join(timeout=20)
         assert not thread.is_alive()
