@@ -24,7 +24,7 @@ from refundops.models import (RESERVING_STATES, LedgerDiscrepancy, Payment, Poli
                               RefundState)
 from refundops.policy import (Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_input,
                               policy_version)
-from refundops.selectors import active_limits, active_rules, running_totals, shadow_drafts, totals_and_pause
+from refundops.selectors import active_limits, active_rules, policy_in_force, running_totals, totals_and_pause
 from refundops.services.reconciliation import open_discrepancy_on
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,9 @@ def _outcome_of(answer: Answer) -> str:
 
 def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, base: dict[str, Any],
                         now: datetime, dry_run: bool, idempotency_key: str) -> Answer:
-    limits, rules = active_limits(payment.currency), active_rules()
+    # The limits, hold rules and (for a real request) the drafts that only watch, in one statement
+    # before the locks; a change of the limits since is found under them (decide_under_locks).
+    limits, rules, shadows = policy_in_force(payment.currency, shadows=not dry_run)
     agent_id = caller.agent.id if caller.agent else None
     refund_ask = RefundAsk(amount_minor=ask.amount_minor, reason=ask.reason, destination=ask.destination,
                            agent_id=agent_id, session_id=ask.agent.session_id,
@@ -161,8 +163,6 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
         decision, totals, _ = decide()
         _fill_verdict(verdict, decision, totals).save()
         return _check_answer(payment, decision, verdict, totals, limits)
-
-    shadows = shadow_drafts(payment.currency)  # before the locks: drafts that only watch
 
     def decide_under_locks(*, exclusive: bool) -> tuple[Decision, Totals]:
         # The payment's row is locked; these lock its customer, its agent, the switches and the
