@@ -20,10 +20,11 @@ from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.inputs import RefundInput, ValidationFailed, could_be_id, for_the_record, has_nul, parse_refund
 from refundops.locks import lock_scopes, slots_for
-from refundops.models import (RESERVING_STATES, LedgerDiscrepancy, Payment, PolicyDraft, Refund,
+from refundops.models import (RESERVING_STATES, Customer, LedgerDiscrepancy, Payment, PolicyDraft, Refund,
                               RefundState)
 from refundops.policy import (Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_input,
                               policy_version)
+from refundops.rows import Columns, cache_related
 from refundops.selectors import active_limits, active_rules, policy_in_force, running_totals, totals_and_pause
 from refundops.services.reconciliation import open_discrepancy_on
 
@@ -104,12 +105,44 @@ def _with_session(caller: Caller, ask: RefundInput, now: datetime) -> RefundInpu
 def _payment_to_decide_on(payment_id: str, *, lock: bool, merchant_id: str | None) -> Payment | None:
     """The payment (locked, unless only checking; None when it is not ``merchant_id``'s, as
     refundops.locks.lock_payment), and in the same statement whether one of its reconciliation
-    discrepancies is open (``ledger_mismatch``): the policy holds agent refunds then."""
-    payments = Payment.objects.select_related("customer").annotate(ledger_mismatch=open_discrepancy_on())
-    if lock:
-        payments = payments.select_for_update(of=("self",))
-    payments = payments.filter(pk=payment_id)
-    return (payments.filter(merchant_id=merchant_id) if merchant_id else payments).first()
+    discrepancies is open (``ledger_mismatch``): the policy holds agent refunds then. Its customer
+    comes with it, as ``select_related`` would bring it."""
+    if connection.vendor != "postgresql":
+        payments = Payment.objects.select_related("customer").annotate(ledger_mismatch=open_discrepancy_on())
+        if lock:
+            payments = payments.select_for_update(of=("self",))
+        payments = payments.filter(pk=payment_id)
+        return (payments.filter(merchant_id=merchant_id) if merchant_id else payments).first()
+    # The statement the ORM would write for the query above, without compiling it on every request.
+    sql = _PAYMENT_SQL[bool(merchant_id), lock]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [str(LedgerDiscrepancy.Status.OPEN), payment_id, *([merchant_id] if merchant_id else [])])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    n = len(_PAYMENT_COLUMNS)
+    payment = _PAYMENT_COLUMNS.make(row[:n])
+    payment.ledger_mismatch = row[n]
+    cache_related(payment, "customer", _CUSTOMER_COLUMNS.make(row[n + 1:]))
+    return payment
+
+
+class _PaymentStatements(dict):
+    """The payment read's four statements (merchant named or not, locked or not), made on first use."""
+
+    def __missing__(self, shape: tuple[bool, bool]) -> str:
+        by_merchant, lock = shape
+        self[shape] = sql = (
+            f"SELECT {_PAYMENT_COLUMNS.sql}, EXISTS(SELECT 1 FROM {LedgerDiscrepancy._meta.db_table} d"
+            f" WHERE d.payment_id = p.id AND d.status = %s), {_CUSTOMER_COLUMNS.sql}"
+            f" FROM {Payment._meta.db_table} p JOIN {Customer._meta.db_table} c ON c.id = p.customer_id"
+            f" WHERE p.id = %s" + (" AND p.merchant_id = %s" if by_merchant else "")
+            + (" FOR UPDATE OF p" if lock else ""))
+        return sql
+
+
+_PAYMENT_COLUMNS, _CUSTOMER_COLUMNS = Columns(Payment, "p"), Columns(Customer, "c")
+_PAYMENT_SQL = _PaymentStatements()
 
 
 def _replay(base: dict[str, Any], replay: idempotency.Replay) -> Answer:
