@@ -283,3 +283,31 @@ def test_every_writer_of_the_day_total_racing_on_shared_customers_and_agents_dea
                             Proposal.Status.APPROVED}, results
     assert "approved" in results and "DAILY_LIMIT_REACHED" in results, results
     assert counted_today() <= limit + 2 * 100
+
+
+def test_two_books_each_with_a_refund_in_the_others_currency_recorded_at_once_deadlock_neither():
+    """One transaction records a payment's gateway refunds one after the other (import_payments,
+    reconciliation). A refund in another currency than its payment's fits nowhere (it is raised as a
+    discrepancy), so it must not take that other currency's lock: two such books, USD then EUR and
+    EUR then USD, would each hold one currency exclusively and wait for the other's."""
+    from django.db import transaction
+
+    payments = {"USD": make_payment(amount=5_000, currency="USD"), "EUR": make_payment(amount=5_000, currency="EUR")}
+    halfway = threading.Barrier(2)
+
+    def record(payment, currency: str, n: str) -> str:
+        return record_external_refund(
+            payment_id=payment.pk, reason="customer_request",
+            result=RefundResult(processor_refund_id=f"re_{n}", status="succeeded", amount=Money(100, currency)),
+            event=WebhookEvent(processor="sandbox", event_id=f"evt_{n}", type="refund.created", object_id=f"re_{n}"))
+
+    def book(i: int) -> list[str]:
+        own, other = ("USD", "EUR") if i == 0 else ("EUR", "USD")
+        with transaction.atomic():
+            said = [record(payments[own], own, f"{own}_own")]
+            halfway.wait(timeout=10)
+            return [*said, record(payments[own], other, f"{own}_in_{other}")]
+
+    results = race(2, book)  # fails on any thread's error: a deadlock is one
+    assert all("recorded external refund" in first and "ledger discrepancy" in second for first, second in results)
+    assert counted_today("USD") == counted_today("EUR") == 100

@@ -251,8 +251,10 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
     assert payment is not None
     # After the payment, as refund decisions take them: the customer's and the currency's running
     # totals change here, so no decision may be taken on totals without this refund (the currency's
-    # lock exclusively: it waits for the decisions in flight, and later ones see this refund).
-    lock_scopes(customer_id=payment.customer_id, agent_id=None, currency=result.amount.currency, exclusive=True)
+    # lock exclusively: it waits for the decisions in flight, and later ones see this refund). The
+    # payment's currency: a refund in another fits nowhere (a discrepancy, below), and a book of
+    # refunds recorded in one transaction then never holds one currency while it waits for another.
+    lock_scopes(customer_id=payment.customer_id, agent_id=None, currency=payment.currency, exclusive=True)
     existing = Refund.objects.filter(payment=payment, processor_refund_id=result.processor_refund_id).first()
     if existing is not None:  # a concurrent delivery got here first
         return f"{existing.pk}: already recorded"
