@@ -311,3 +311,21 @@ def test_two_books_each_with_a_refund_in_the_others_currency_recorded_at_once_de
     results = race(2, book)  # fails on any thread's error: a deadlock is one
     assert all("recorded external refund" in first and "ledger discrepancy" in second for first, second in results)
     assert counted_today("USD") == counted_today("EUR") == 100
+
+
+def test_no_scope_lock_shares_a_key_with_another_scope_or_the_audit_sealer():
+    """One advisory key space (PostgreSQL's one-key form) holds the scopes and audit/chain.py's
+    sealer lock: the fixed keys (platform, each currency's total and slots) are all distinct and
+    none is the sealer's; a customer's or agent's key is named by its kind first, so no id (even one
+    holding the separator) makes it another kind's."""
+    from audit.chain import _CHAIN_LOCK_ID
+    from processors.money import CURRENCY_CHOICES
+
+    fixed = [locks.PLATFORM_KEY]
+    for currency, _ in CURRENCY_CHOICES:
+        fixed += [locks._key("currency", currency), *locks._slot_keys(currency)]
+    assert len(set(fixed)) == len(fixed) and _CHAIN_LOCK_ID not in fixed
+    assert all(-(1 << 63) <= key < (1 << 63) for key in fixed)  # a bigint
+    crafted = "USD\x1f0"  # a slot's name after its kind: as a customer's or agent's id it stays theirs
+    assert locks._key("customer", crafted) not in fixed and locks._key("agent", crafted) not in fixed
+    assert locks._key("customer", "c1") != locks._key("agent", "c1")
