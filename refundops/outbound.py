@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F, Subquery
 from django.utils import timezone
 
@@ -32,6 +32,7 @@ from processors import signing
 from refundops import logs, merchant_http, outbox
 from refundops.answers import refund_json
 from refundops.models import MerchantEndpoint, Payment, Refund, WebhookDelivery
+from refundops.rows import Columns
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,22 @@ def announce_refund(refund: Refund, *, previous: str | None,
     return deliveries
 
 
+_ENDPOINT = Columns(MerchantEndpoint, "e")
+
+
 def active_endpoints(refund: Refund) -> list[MerchantEndpoint]:
     """The active endpoints of the refund's payment's merchant, in one query (a subquery for the
-    merchant, not another statement)."""
-    merchant = Payment.objects.filter(pk=refund.payment_id).values("merchant_id")[:1]
-    return list(MerchantEndpoint.objects.filter(active=True, merchant_id=Subquery(merchant)))
+    merchant, not another statement). Every refund reads them, and usually finds none: on
+    PostgreSQL hand-written (refundops.rows), which spares the ~1 ms of Python compiling the ORM's
+    query takes; the ORM's query elsewhere (SQLite)."""
+    if connection.vendor != "postgresql":
+        merchant = Payment.objects.filter(pk=refund.payment_id).values("merchant_id")[:1]
+        return list(MerchantEndpoint.objects.filter(active=True, merchant_id=Subquery(merchant)))
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {_ENDPOINT.sql} FROM {MerchantEndpoint._meta.db_table} e "
+                       f"WHERE e.active AND e.merchant_id = (SELECT merchant_id FROM {Payment._meta.db_table} "
+                       "WHERE id = %s) ORDER BY e.id", [refund.payment_id])
+        return [_ENDPOINT.make(row) for row in cursor.fetchall()]
 
 
 def deliver_overdue(*, older_than_seconds: float | None = None, limit: int = 500) -> int:

@@ -94,3 +94,21 @@ def test_the_key_read_is_the_orms(django_assert_num_queries):
     assert _key_named(key.prefix).all_agents_disabled is True
     with pytest.raises(ApiError, match="switched off"):
         authenticate_key(raw)
+
+
+def test_a_refunds_merchant_endpoints_are_the_orms_active_endpoints_of_its_merchant():
+    from django.db.models import Subquery
+
+    from refundops.models import Merchant, MerchantEndpoint, Refund
+    from refundops.outbound import active_endpoints
+
+    acme = Merchant.objects.create(name="Acme")
+    ours = MerchantEndpoint.objects.create(url="https://default.example/hook", event_types=["refund.approved"])
+    MerchantEndpoint.objects.create(url="https://default.example/off", active=False)
+    MerchantEndpoint.objects.create(url="https://acme.example/hook", merchant=acme)
+    refund = Refund(payment=make_payment(), amount_minor=100, currency="USD", reason="duplicate")
+    merchant = Payment.objects.filter(pk=refund.payment_id).values("merchant_id")[:1]
+    orm = list(MerchantEndpoint.objects.filter(active=True, merchant_id=Subquery(merchant)))
+    mine = active_endpoints(refund)
+    assert [e.pk for e in mine] == [e.pk for e in orm] == [ours.pk]
+    same(mine[0], orm[0])
