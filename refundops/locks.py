@@ -15,7 +15,8 @@ sessions). Refunds of different customers and agents run side by side. Two thing
   what the decisions in flight add, unseen by ``T``, is covered by the other slots, so it is at most
   the headroom. A refund that finds too few slots free, or a day past three quarters of its limit,
   is decided again under the currency's lock held exclusively: it waits for those in flight and
-  sees every one of them. So the limit holds exactly, and refunds serialise on it only near it.
+  sees every one of them (a one-slot refund finding none free waits for one instead). So the limit
+  holds exactly, and refunds serialise on it only near it.
   The slots are sized by the limit, so every decision in flight must count on the same one: a change
   of the limits takes the currency's lock exclusively (``lock_currency``), and a decision that finds
   the limits it read are no longer the latest is decided again exclusively, on the latest.
@@ -120,6 +121,12 @@ def lock_scopes(*, customer_id: str, agent_id: str | None, currency: str, exclus
         cursor.execute(_LOCK_SQL.format(locks=locks), [list(ring[start:] + ring[:start]) if wanted else [], wanted,
                                                        *(key for _, key in keys)])
         held = cursor.fetchone()[0]
+        if wanted == 1 and held == 0:
+            # Every slot busy: wait for one rather than decide exclusively, which would queue every
+            # decision in the currency behind this one. A slot's holder is a decision under way that
+            # waits for nothing this one holds (its own locks came before its slots), so it ends.
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [ring[start]])
+            held = 1
     return ScopeLocks(exclusive=exclusive, slots=held)
 
 

@@ -171,3 +171,30 @@ def test_a_decision_holds_the_slots_its_amount_fills_and_no_more(setup):
             exclusive_held = cursor.fetchone()[0]
     assert scopes.slots == 3 and not scopes.exclusive
     assert exclusive_held == 3 + 2  # the slots, the customer's and the agent's
+
+
+def test_a_one_slot_refund_finding_every_slot_busy_waits_for_one_and_stays_on_the_fast_path(setup, monkeypatch):
+    """Deciding it exclusively instead would queue every refund in the currency behind it."""
+    busy = make_payment()
+    key, _ = make_agent_key()
+    taken: list[bool] = []
+    lock_scopes = locks.lock_scopes
+
+    def spy(**kwargs):
+        scopes = lock_scopes(**kwargs)
+        taken.append(scopes.exclusive)
+        return scopes
+
+    monkeypatch.setattr("refundops.services.refunds.lock_scopes", spy)
+    with transaction.atomic():
+        held = locks.lock_scopes(customer_id=busy.customer_id, agent_id=None, currency="USD",
+                                 slots=locks.FAST_PATH_SLOTS)  # a large refund in flight holds them all
+        assert held.slots == locks.FAST_PATH_SLOTS
+        thread, done = in_thread(lambda: agent_refund(key, make_payment()).status)
+        thread.join(timeout=1.5)
+        assert thread.is_alive() and not done
+        awaited = _advisory_locks_of_others(granted=False)
+        slots = {locks._key("slot", "USD", str(i)) for i in range(locks.FAST_PATH_SLOTS)}
+        assert awaited and awaited <= slots  # waiting for a slot, not for the currency exclusively
+    thread.join(timeout=10)
+    assert done == [201] and taken == [False]
