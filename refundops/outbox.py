@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -153,7 +154,8 @@ def send_claimed(rows: list[tuple], *, retry: bool = True) -> int:
             publish(*row)
     else:
         try:
-            with current_app.producer_or_acquire() as producer, producer.batch():
+            with current_app.producer_or_acquire() as producer, (
+                    producer.batch() if hasattr(producer, "batch") else nullcontext()):  # kombu < 5.7: one by one
                 for row in rows:
                     publish(*row, producer=producer)
         except Exception as exc:  # noqa: BLE001 - the batch's flush (or the producer): none of it went
