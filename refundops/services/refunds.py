@@ -25,7 +25,7 @@ from refundops.models import (RESERVING_STATES, Customer, LedgerDiscrepancy, Pay
                               RefundState)
 from refundops.policy import (Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_input,
                               policy_version)
-from refundops.rows import Columns, cache_related
+from refundops.rows import Columns, cache_related, insert
 from refundops.selectors import active_limits, active_rules, policy_in_force, running_totals, totals_and_pause
 from refundops.services.reconciliation import open_discrepancy_on
 
@@ -363,7 +363,7 @@ def _write_history(refund: Refund, rows: list[tuple[Refund, str, str, datetime]]
     type, change reason, date, and user as its middleware sees it), in one insert."""
     history = _historical_refund()
     user = history.get_default_history_user(refund)
-    history.objects.bulk_create([
+    insert(history, [
         history(history_date=at, history_type=kind, history_user=user, history_change_reason=reason,
                 **{field.attname: getattr(state, field.attname) for field in history.tracked_fields})
         for state, kind, reason, at in rows])
