@@ -43,9 +43,14 @@ GENESIS = "0" * 64
 _CHAIN_LOCK_ID = 0x52454655  # "REFU": held by the sealer only, never by a request
 
 
+_AS_IS = frozenset({str, int, bool})
+
+
 def _plain(value: Any) -> Any:
     """One spelling per value, whether it comes from memory or back from the database (jsonb
     gives 1e2 back as 100, a datetime comes back in UTC, a Decimal with its field's places)."""
+    if value is None or type(value) in _AS_IS:  # most values: spelled as they are (not a subclass)
+        return value
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
