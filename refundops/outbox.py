@@ -28,6 +28,7 @@ from celery import current_app
 from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
+from psycopg.types.json import Jsonb
 
 from refundops.models import OutboxMessage
 
@@ -56,14 +57,31 @@ def send_each_after_commit(task: str, each_kwargs: list[dict[str, Any]], *, queu
     """:func:`send_after_commit` for many runs of one task: one INSERT, one nudge."""
     if not each_kwargs:
         return []
-    messages = OutboxMessage.objects.bulk_create(
-        OutboxMessage(task=task, kwargs=kwargs, queue=queue) for kwargs in each_kwargs)
+    messages = _insert([OutboxMessage(task=task, kwargs=kwargs, queue=queue) for kwargs in each_kwargs])
     ids = [message.pk for message in messages]
     nudge = _pending_nudge()
     if nudge is not None:
         nudge.ids.extend(ids)
     else:
         transaction.on_commit(_Nudge(ids), robust=True)
+    return messages
+
+
+def _insert(messages: list[OutboxMessage]) -> list[OutboxMessage]:
+    """``bulk_create``, and on PostgreSQL the same INSERT … RETURNING id by hand: every approved
+    refund writes two rows, and compiling the ORM's insert cost several times its execution."""
+    if connection.vendor != "postgresql":
+        return OutboxMessage.objects.bulk_create(messages)
+    rows = ", ".join(["(%s, %s, %s, %s, NULL, %s, %s, %s)"] * len(messages))
+    params: list[Any] = []
+    for m in messages:
+        params += [m.task, Jsonb(m.kwargs), m.queue, m.created_at, m.tries, m.last_error, m.next_try_at]
+    with connection.cursor() as cursor:
+        cursor.execute(f"INSERT INTO {_TABLE} (task, kwargs, queue, created_at, sent_at, tries, last_error, "
+                       f"next_try_at) VALUES {rows} RETURNING id", params)
+        for message, (pk,) in zip(messages, cursor.fetchall(), strict=True):
+            message.pk = pk
+            message._state.adding = False
     return messages
 
 
