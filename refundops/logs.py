@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 import structlog
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from celery import signals
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -136,25 +137,49 @@ def bind_request_id(request_id: str | None) -> str:
 
 
 class RequestIdMiddleware:
-    """Binds the request id for everything this request logs or enqueues, and returns it."""
+    """Binds the request id for everything this request logs or enqueues, and returns it.
+
+    Sync and async capable, so that under ASGI a request does not cross from the event loop to a
+    thread and back for it: bound here in the request's task, the id reaches a sync view's lines
+    too (asgiref runs the view in a copy of this context)."""
+
+    sync_capable = True
+    async_capable = True
 
     def __init__(self, get_response):
         self.get_response = get_response
         self.log = structlog.get_logger("refundops.request")
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
+            markcoroutinefunction(self)
 
     def __call__(self, request):
-        structlog.contextvars.clear_contextvars()
-        request_id = bind_request_id(request.headers.get(REQUEST_ID_HEADER))
-        request.request_id = request_id
+        if self.async_mode:
+            return self.__acall__(request)
+        request_id = self._bind(request)
         try:
-            response = self.get_response(request)
-            response[REQUEST_ID_HEADER] = request_id
-            match = getattr(request, "resolver_match", None)
-            self.log.info("request", method=request.method, route=match.url_name if match else None,
-                          status=response.status_code)
-            return response
+            return self._answered(request, self.get_response(request), request_id)
         finally:
             structlog.contextvars.clear_contextvars()
+
+    async def __acall__(self, request):
+        request_id = self._bind(request)
+        try:
+            return self._answered(request, await self.get_response(request), request_id)
+        finally:
+            structlog.contextvars.clear_contextvars()
+
+    def _bind(self, request) -> str:
+        structlog.contextvars.clear_contextvars()
+        request.request_id = bind_request_id(request.headers.get(REQUEST_ID_HEADER))
+        return request.request_id
+
+    def _answered(self, request, response, request_id: str):
+        response[REQUEST_ID_HEADER] = request_id
+        match = getattr(request, "resolver_match", None)
+        self.log.info("request", method=request.method, route=match.url_name if match else None,
+                      status=response.status_code)
+        return response
 
 
 @signals.before_task_publish.connect
