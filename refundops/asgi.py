@@ -5,11 +5,15 @@ the ASGI lifespan on (their default, "auto"): the MCP session manager starts in 
 import os
 
 from django.core.asgi import get_asgi_application
-from starlette.types import Receive, Scope, Send
+from starlette.exceptions import HTTPException
+from starlette.responses import PlainTextResponse
+from starlette.staticfiles import StaticFiles
+from starlette.types import Message, Receive, Scope, Send
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "refundops.settings")
 django_app = get_asgi_application()  # sets Django up before anything imports models
 
+from django.conf import settings  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 from django.core.signals import request_finished  # noqa: E402
 from django.db import connections  # noqa: E402
@@ -31,9 +35,43 @@ from refundops.mcp_server import MCP_PATH, http_app  # noqa: E402
 mcp_app = http_app()
 
 
+# The admin's static files (collectstatic's STATIC_ROOT), served here, outside Django's middleware,
+# when settings left WhiteNoise out (this module imported first, DEBUG off): with the headers
+# WhiteNoise gave them. Otherwise (a test process, DEBUG) WhiteNoise serves them inside Django.
+STATIC_PREFIX = "/" + settings.STATIC_URL.strip("/") + "/"
+STATIC_HEADERS = [(b"cache-control", b"max-age=60, public"), (b"access-control-allow-origin", b"*"),
+                  (b"x-content-type-options", b"nosniff")]
+static_app = (None if "whitenoise.middleware.WhiteNoiseMiddleware" in settings.MIDDLEWARE
+              else StaticFiles(directory=settings.STATIC_ROOT, check_dir=False))
+
+
+async def serve_static(scope: Scope, receive: Receive, send: Send) -> None:
+    async def send_with_headers(message: Message) -> None:
+        if message["type"] == "http.response.start" and message["status"] in (200, 304):
+            message["headers"] = [*message.get("headers", []), *STATIC_HEADERS]
+        await send(message)
+
+    root_path = scope.get("root_path", "") + STATIC_PREFIX.rstrip("/")
+    try:
+        await static_app({**scope, "root_path": root_path}, receive, send_with_headers)
+    except HTTPException as exc:  # raised before anything is sent
+        if exc.status_code == 404:  # Django answers (and counts) a miss, as it did behind WhiteNoise
+            await django_app(scope, receive, send)
+        else:
+            await PlainTextResponse(exc.detail, exc.status_code, headers=exc.headers)(scope, receive, send)
+
+
+def route_path(scope: Scope) -> str:
+    """The path below the server's root path (uvicorn --root-path), as Starlette routes it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 async def application(scope: Scope, receive: Receive, send: Send) -> None:
     # Django's handler speaks only HTTP, so the lifespan goes to the MCP app, which needs it.
     if scope["type"] == "lifespan" or scope["path"] == MCP_PATH or scope["path"].startswith(MCP_PATH + "/"):
         await mcp_app(scope, receive, send)
+    elif static_app is not None and scope["type"] == "http" and route_path(scope).startswith(STATIC_PREFIX):
+        await serve_static(scope, receive, send)
     else:
         await django_app(scope, receive, send)

@@ -85,6 +85,12 @@ MIDDLEWARE = [
     "simple_history.middleware.HistoryRequestMiddleware",
     "axes.middleware.AxesMiddleware",  # last: answers a locked-out sign-in
 ]
+if "refundops.asgi" in sys.modules and not DEBUG:
+    # Served by refundops.asgi (uvicorn, gunicorn's UvicornWorker): it serves STATIC_ROOT at
+    # STATIC_URL itself, and WhiteNoise, sync only, would cost every request two crossings between
+    # the event loop and a thread. Every other middleware here is async-capable, so a sync view
+    # costs one. (With DEBUG, WhiteNoise stays: it finds static files before any collectstatic.)
+    MIDDLEWARE.remove("whitenoise.middleware.WhiteNoiseMiddleware")
 
 ROOT_URLCONF = "refundops.urls"
 WSGI_APPLICATION = "refundops.wsgi.application"

@@ -106,6 +106,10 @@ def check_the_banner_tells_the_truth(run: Run) -> None:
     assert status in (200, 201) and body["verdict"]["outcome"] == "approved", body  # the example refund goes through
     login = re.search(r"login (\S+)\s+password (\S+)", output)
     assert run.admin_login_works(login.group(1), login.group(2)), output
+    # The admin's styles, served by refundops.asgi itself (no WhiteNoise in the chain under uvicorn).
+    with urllib.request.urlopen(f"http://127.0.0.1:{run.port}/static/admin/css/base.css", timeout=30) as css:
+        assert css.status == 200 and css.headers["Content-Type"].startswith("text/css")
+        assert css.headers["Cache-Control"] == "max-age=60, public" and css.headers["ETag"]
     assert "uuidgen" not in output  # absent on Debian slim
 
 
