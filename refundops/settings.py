@@ -74,7 +74,7 @@ MIDDLEWARE = [
     "refundops.logs.RequestIdMiddleware",  # first: every line a request logs carries its id
     "refundops.metrics.RequestMetricsMiddleware",  # first: counts every answer, refusals included
     "django.middleware.security.SecurityMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",  # the admin's static files, under any server
+    "whitenoise.middleware.WhiteNoiseMiddleware",  # the admin's static files (not under refundops.asgi: below)
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
