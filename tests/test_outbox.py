@@ -224,3 +224,32 @@ def test_deliveries_whose_task_was_lost_are_delivered_by_the_sweep(api, policy, 
                  what="both events")
         wait_for(lambda: WebhookDelivery.objects.filter(status="delivered").count() == 2, what="deliveries logged")
     assert deliver_overdue_webhooks() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_eager_task_that_nudges_its_own_rows_never_holds_two_of_the_brokers_producers(api, policy, monkeypatch):
+    """Eagerly (tests, CELERY_TASK_ALWAYS_EAGER) a task runs inside the publish that sends it; the
+    submission's own commit nudges its rows again. Were the outer nudge to hold a producer from the
+    broker's pool meanwhile, threads doing this at once would empty the pool and wait on each other
+    for ever (32 racing refunds did)."""
+    original = celery_app.producer_or_acquire
+    depth = {"now": 0, "most": 0}
+
+    @contextmanager
+    def counted(*args, **kwargs):
+        with original(*args, **kwargs) as producer:
+            depth["now"] += 1
+            depth["most"] = max(depth["most"], depth["now"])
+            try:
+                yield producer
+            finally:
+                depth["now"] -= 1
+
+    monkeypatch.setattr(celery_app, "producer_or_acquire", counted)
+    response = post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 500,
+                                             "reason": "duplicate"})
+    assert response.status_code == 201
+    refund = Refund.objects.get(pk=response.json()["refund"]["id"])
+    assert refund.status in (RefundState.SUBMITTED, RefundState.SETTLED)  # paid inside the publish
+    assert depth["most"] <= 1
+    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
