@@ -18,16 +18,16 @@ pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, a
 # The key (with the "all agents off" switch); BEGIN; the idempotency claim; the payment lock;
 # limits, hold rules and the drafts running in shadow (one statement, selectors.policy_in_force);
 # SAVEPOINT; the customer's, agent's, platform's and currency's locks (one statement,
-# refundops.locks); running totals with the kill switch; RELEASE; the refund, once in its final state; its two history rows (requested, then approved)
-# in one insert; the merchant endpoints (read once for both events); the payment's sums; the
-# verdict; the audit entry (no lock: sealed after the commit); the stored answer; the two outbox
-# rows (the breaker's count and the submission); COMMIT. After the commit, no lock held: one nudge
-# claims both rows and marks them sent (two statements). The submission is routed by the
-# payment's processor, without a query.
-APPROVED_REFUND_STATEMENTS = 21
+# refundops.locks); running totals with the kill switch; RELEASE; the refund, once in its final
+# state, with its two history rows (requested, then approved) in the same statement; the merchant
+# endpoints (read once for both events); the payment's sums; the verdict; the audit entry (no
+# lock: sealed after the commit); the stored answer; the two outbox rows (the breaker's count and
+# the submission); COMMIT. After the commit, no lock held: one nudge claims both rows and marks
+# them sent (two statements). The submission is routed by the payment's processor, without a query.
+APPROVED_REFUND_STATEMENTS = 20
 
 
-def test_an_approved_refund_takes_21_statements_and_keeps_every_invariant(api, policy, monkeypatch):
+def test_an_approved_refund_takes_20_statements_and_keeps_every_invariant(api, policy, monkeypatch):
     sent: list[dict] = []
     monkeypatch.setattr(submit_refund, "apply_async", lambda **options: sent.append(options))
     # The key's first use is stamped and the platform row made once; neither is the steady state.

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import re
 from datetime import date, datetime, timedelta
 from typing import Any
 
@@ -335,15 +336,19 @@ def _write_refund(*, caller: Caller, payment: Payment, ask: RefundInput, decisio
         refund.hold(reasons=decision.hold_reasons)
     else:
         refund.deny(code=decision.code, message=decision.message)
-    refund.skip_history_when_saving = True  # written just below, both rows at once
-    try:
-        refund.save(force_insert=True)
-    finally:
-        del refund.skip_history_when_saving
-    requested.created_at, requested.updated_at = refund.created_at, refund.updated_at
-    _write_history(refund, [(requested, "+", f"requested by {caller.label}", requested_at),
-                            (refund, "~", f"verdict {verdict.id}: {decision.outcome}" + (
-                                f" ({decision.code})" if decision.code else ""), timezone.now())])
+    history = [(requested, "+", f"requested by {caller.label}", requested_at),
+               (refund, "~", f"verdict {verdict.id}: {decision.outcome}" + (
+                   f" ({decision.code})" if decision.code else ""), timezone.now())]
+    if connection.vendor == "postgresql":
+        _insert_with_history(refund, history)
+    else:
+        refund.skip_history_when_saving = True  # written just below, both rows at once
+        try:
+            refund.save(force_insert=True)
+        finally:
+            del refund.skip_history_when_saving
+        requested.created_at, requested.updated_at = refund.created_at, refund.updated_at
+        _write_history(refund, history)
     endpoints = outbound.active_endpoints(refund)  # read once for both events, in this transaction
     outbound.announce_refund(requested, previous=None, endpoints=endpoints)
     outbound.announce_refund(refund, previous=RefundState.REQUESTED, endpoints=endpoints)
@@ -367,6 +372,55 @@ def _write_history(refund: Refund, rows: list[tuple[Refund, str, str, datetime]]
         history(history_date=at, history_type=kind, history_user=user, history_change_reason=reason,
                 **{field.attname: getattr(state, field.attname) for field in history.tracked_fields})
         for state, kind, reason, at in rows])
+
+
+def _insert_with_history(refund: Refund, rows: list[tuple[Refund, str, str, datetime]]) -> None:
+    """``refund.save()`` (a new refund) and ``_write_history(refund, rows)`` in one statement: the
+    refund's INSERT, and its history rows made from the row it returns, each with the fields where
+    its state differs (``rows``: the states in order, the last one ``refund`` itself)."""
+    history = _historical_refund()
+    fields = Refund._meta.concrete_fields
+    values = [f.get_db_prep_save(f.pre_save(refund, True), connection) for f in fields]  # sets the auto dates
+    for state, *_ in rows:
+        state.created_at, state.updated_at = refund.created_at, refund.updated_at
+    differ = tuple(f.attname for f in history.tracked_fields
+                   if any(f.value_from_object(state) != f.value_from_object(refund) for state, *_ in rows))
+    sql = _history_sql(differ, len(rows))
+    user = history.get_default_history_user(refund)
+    user_id = user.pk if user is not None else None
+    params = list(values)
+    for state, kind, reason, at in rows:
+        params += [history._meta.get_field(name).get_db_prep_save(getattr(state, name), connection)
+                   for name in differ]
+        params += [at, kind, user_id, reason]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+    refund._state.adding, refund._state.db = False, connection.alias  # as Model.save leaves it
+    refund._update_initial_state()  # as ConcurrentTransitionMixin.save: the state it was saved in
+
+
+@functools.cache
+def _history_sql(differ: tuple[str, ...], n: int) -> str:
+    """The statement for ``_insert_with_history``: ``differ`` names the fields each history row gives."""
+    history = _historical_refund()
+    quote = connection.ops.quote_name
+
+    def cast(field) -> str:  # the column's type, without a length: too long a value fails, as inserted
+        return re.sub(r"\(\d+\)$", "", field.db_type(connection))
+
+    columns = [quote(f.column) for f in Refund._meta.concrete_fields]
+    tracked = {f.attname: f for f in history.tracked_fields}
+    same = [f for f in history.tracked_fields if f.attname not in differ]
+    given = [tracked[name] for name in differ] + [history._meta.get_field(name) for name in (
+        "history_date", "history_type", "history_user", "history_change_reason")]
+    row = "(%s, " + ", ".join(f"%s::{cast(f)}" for f in given) + ")"
+    sql = (f"WITH r AS (INSERT INTO {quote(Refund._meta.db_table)} ({', '.join(columns)})"
+           f" VALUES ({', '.join(['%s'] * len(columns))}) RETURNING {', '.join(columns)})"
+           f" INSERT INTO {quote(history._meta.db_table)} ({', '.join(quote(f.column) for f in same + given)})"
+           f" SELECT {', '.join('r.' + quote(f.column) for f in same)}, {', '.join(f'h.c{i}' for i in range(len(given)))}"
+           f" FROM r, (VALUES {', '.join(row.replace('(%s, ', f'({i}, ', 1) for i in range(n))})"
+           f" AS h(n, {', '.join(f'c{i}' for i in range(len(given)))}) ORDER BY h.n")
+    return sql
 
 
 # Sums and stores in one statement (PostgreSQL and SQLite): the aggregate, then the update, each
