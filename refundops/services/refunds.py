@@ -116,7 +116,7 @@ def _payment_to_decide_on(payment_id: str, *, lock: bool, merchant_id: str | Non
         payments = payments.filter(pk=payment_id)
         return (payments.filter(merchant_id=merchant_id) if merchant_id else payments).first()
     # The statement the ORM would write for the query above, without compiling it on every request.
-    sql = _PAYMENT_SQL[bool(merchant_id), lock]
+    sql = _payment_sql(bool(merchant_id), lock)
     with connection.cursor() as cursor:
         cursor.execute(sql, [str(LedgerDiscrepancy.Status.OPEN), payment_id, *([merchant_id] if merchant_id else [])])
         row = cursor.fetchone()
@@ -129,22 +129,17 @@ def _payment_to_decide_on(payment_id: str, *, lock: bool, merchant_id: str | Non
     return payment
 
 
-class _PaymentStatements(dict):
-    """The payment read's four statements (merchant named or not, locked or not), made on first use."""
+_PAYMENT_COLUMNS, _CUSTOMER_COLUMNS = Columns(Payment, "p"), Columns(Customer, "c")
 
-    def __missing__(self, shape: tuple[bool, bool]) -> str:
-        by_merchant, lock = shape
-        self[shape] = sql = (
-            f"SELECT {_PAYMENT_COLUMNS.sql}, EXISTS(SELECT 1 FROM {LedgerDiscrepancy._meta.db_table} d"
+
+@functools.cache
+def _payment_sql(by_merchant: bool, lock: bool) -> str:
+    """The payment read's statement (merchant named or not, locked or not), made on first use."""
+    return (f"SELECT {_PAYMENT_COLUMNS.sql}, EXISTS(SELECT 1 FROM {LedgerDiscrepancy._meta.db_table} d"
             f" WHERE d.payment_id = p.id AND d.status = %s), {_CUSTOMER_COLUMNS.sql}"
             f" FROM {Payment._meta.db_table} p JOIN {Customer._meta.db_table} c ON c.id = p.customer_id"
             f" WHERE p.id = %s" + (" AND p.merchant_id = %s" if by_merchant else "")
             + (" FOR UPDATE OF p" if lock else ""))
-        return sql
-
-
-_PAYMENT_COLUMNS, _CUSTOMER_COLUMNS = Columns(Payment, "p"), Columns(Customer, "c")
-_PAYMENT_SQL = _PaymentStatements()
 
 
 def _replay(base: dict[str, Any], replay: idempotency.Replay) -> Answer:
