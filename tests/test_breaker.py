@@ -179,3 +179,22 @@ def test_an_agent_refund_reads_the_breaker_in_its_rate_limits_round_trip(api, po
     refused = post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 100, "reason": "duplicate"})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "CIRCUIT_OPEN"
     assert len(trips) == 1 and trips[0][-1] == "HGETALL"
+
+
+def test_a_breaker_that_opens_while_the_refund_waits_for_its_payment_still_refuses_it(api, policy, tuned,
+                                                                                       monkeypatch):
+    """The breaker trips (count_agent_refund of refunds committed just before) while this request
+    is already admitted and waits for its payment's row lock: the decision, taken after the lock,
+    must see it open, as it did when the state was read after the lock (e1e7f66)."""
+    from refundops.services import refunds
+
+    locked = refunds._payment_to_decide_on
+
+    def lock_then_trip(*args, **kwargs):
+        payment = locked(*args, **kwargs)  # the wait for the row lock ends here
+        record(11, at=datetime.now(dt_timezone.utc))  # meanwhile the breaker opened (a floor of 10)
+        return payment
+
+    monkeypatch.setattr(refunds, "_payment_to_decide_on", lock_then_trip)
+    answer = post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 100, "reason": "duplicate"})
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "CIRCUIT_OPEN", answer.json()
