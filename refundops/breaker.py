@@ -53,11 +53,6 @@ def _state_key() -> str:
     return redis_key("{breaker}:state")
 
 
-def state_key() -> str:
-    """The hash ``status`` reads (HGETALL): read it with other commands, pass it to ``status``."""
-    return _state_key()
-
-
 def _series_key(what: str) -> str:
     """One hash per series, a field per minute: two HMGETs read the whole baseline."""
     return redis_key(f"{{breaker}}:{what}")
@@ -72,11 +67,7 @@ def _phase(state: dict[bytes, bytes], now: datetime) -> Phase:
     return "half_open"
 
 
-def status(*, now: datetime, state: dict[bytes, bytes] | None = None) -> Phase:
-    """The phase at ``now``; ``state``: the state hash read in this request already (the rate
-    limits' round trip as it was admitted), else read here. Fails closed without Redis."""
-    if state is not None:
-        return _phase(state, now)
+def status(*, now: datetime) -> Phase:
     try:
         return _phase(redis_client().hgetall(_state_key()), now)
     except redis.RedisError as exc:
@@ -84,9 +75,9 @@ def status(*, now: datetime, state: dict[bytes, bytes] | None = None) -> Phase:
         raise store_unavailable("circuit breaker") from exc
 
 
-def is_open(*, now: datetime, state: dict[bytes, bytes] | None = None) -> bool:
+def is_open(*, now: datetime) -> bool:
     """True while agent refunds must be refused. Half-open lets them through as probes."""
-    return status(now=now, state=state) == "open"
+    return status(now=now) == "open"
 
 
 def record_refund(amount_minor: int, currency: str, now: datetime) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,13 +14,10 @@ class Caller:
     agent: Agent | None = None
     key: AgentKey | None = None
     user: Any = None  # a staff django.contrib.auth User
-    # The circuit breaker's state hash, read with the rate limits as this request was admitted
-    # (refundops.ratelimit): the decision reads it from here instead of asking Redis again.
-    breaker_state: dict[bytes, bytes] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def for_key(cls, key: AgentKey, *, breaker_state: dict[bytes, bytes] | None = None) -> Caller:
-        return cls(agent=key.agent, key=key, breaker_state=breaker_state)
+    def for_key(cls, key: AgentKey) -> Caller:
+        return cls(agent=key.agent, key=key)
 
     @classmethod
     def for_user(cls, user: Any) -> Caller:

@@ -46,7 +46,6 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from refundops import breaker
 from refundops.access import authenticate_key, require_capability
 from refundops.answers import Answer, error_answer
 from refundops.callers import Caller
@@ -374,10 +373,10 @@ def build_server(resolve_key: KeyResolver) -> Server[Any]:
             # The contract's order, as in REST: key, capability, rate limits, then the service.
             key = resolve_key(ctx)
             require_capability(key, spec.capability)
-            state = check_rate_limits(caller=Caller.for_key(key), moves_money=spec.moves_money,
-                                      session_id=_session_id(arguments) if spec.moves_money else None,
-                                      also_read=breaker.state_key() if spec.moves_money else None)
-            return spec.run(Caller.for_key(key, breaker_state=state), arguments)
+            caller = Caller.for_key(key)
+            check_rate_limits(caller=caller, moves_money=spec.moves_money,
+                              session_id=_session_id(arguments) if spec.moves_money else None)
+            return spec.run(caller, arguments)
         return _result(await in_django(lambda: _answer(run)))
 
     def input_schema(name: str) -> dict[str, Any] | None:

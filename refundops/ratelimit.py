@@ -79,13 +79,11 @@ def scopes_for(*, agent_id: str, session_id: str | None) -> list[Scope]:
 
 
 def check_rate_limits(*, caller: Caller, session_id: str | None = None, moves_money: bool = True,
-                      now: float | None = None, also_read: str | None = None) -> dict[bytes, bytes] | None:
+                      now: float | None = None) -> None:
     """Count one request by ``caller`` or raise ``ApiError("RATE_LIMITED")`` with Retry-After.
-    Staff callers are not rate limited. Used by the DRF throttle below and by the MCP server.
-    ``also_read``: a hash read in the same round trip (the breaker's state as the request is
-    admitted), returned; None when nothing was counted (then nothing was read either)."""
+    Staff callers are not rate limited. Used by the DRF throttle below and by the MCP server."""
     if caller.agent is None:
-        return None
+        return
     now = time.time() if now is None else now
     if session_id and len(session_id) > TEXT_LIMITS["session_id"]:
         session_id = None  # refused when the body is validated (REST and MCP alike): names no window
@@ -93,14 +91,14 @@ def check_rate_limits(*, caller: Caller, session_id: str | None = None, moves_mo
         session_id = caller.session_id_for(session_id or "", datetime.fromtimestamp(now, UTC))
     scopes = scopes_for(agent_id=caller.agent.id, session_id=session_id)
     if not scopes:
-        return None
+        return
     window = setting("RATE_LIMIT_WINDOW_SECONDS")
     try:
-        over, read = _count(scopes, now=now, window=window, also_read=also_read)
+        over = _count(scopes, now=now, window=window)
     except redis.RedisError as exc:
         if not moves_money:
             log.warning("rate limits skipped for a lookup: Redis unreachable (%s)", exc)
-            return None
+            return
         log.error("rate limits: Redis unreachable (%s); failing closed", exc)
         raise store_unavailable("rate-limit") from exc
     if over:
@@ -110,14 +108,11 @@ def check_rate_limits(*, caller: Caller, session_id: str | None = None, moves_mo
                        f"Too many requests: the {scope.name} limit is {scope.limit} per {window} seconds. "
                        f"Retry after {retry_after} seconds.",
                        headers={"Retry-After": str(retry_after)}, retry_after=retry_after, scope=scope.name)
-    return read
 
 
-def _count(scopes: list[Scope], *, now: float, window: int,
-           also_read: str | None = None) -> tuple[list[tuple[Scope, float]], dict[bytes, bytes] | None]:
+def _count(scopes: list[Scope], *, now: float, window: int) -> list[tuple[Scope, float]]:
     """Count one request in every scope; the scopes it is over, each with the seconds until it
-    fits again (its entries removed again then), and the hash ``also_read`` (HGETALL, in the same
-    round trip). Raises redis.RedisError."""
+    fits again (its entries removed again then). Raises redis.RedisError."""
     member = f"{now:.6f}:{secrets.token_hex(4)}"
     client = redis_client()
     pipe = client.pipeline(transaction=True)
@@ -127,8 +122,6 @@ def _count(scopes: list[Scope], *, now: float, window: int,
         pipe.zcard(scope.key)
         pipe.zrange(scope.key, 0, 0, withscores=True)
         pipe.expire(scope.key, window + 1)
-    if also_read:
-        pipe.hgetall(also_read)
     replies = pipe.execute()
     over = []
     for i, scope in enumerate(scopes):
@@ -140,7 +133,7 @@ def _count(scopes: list[Scope], *, now: float, window: int,
         for scope in scopes:
             pipe.zrem(scope.key, member)
         pipe.execute()
-    return over, replies[len(scopes) * 5] if also_read else None
+    return over
 
 
 def webhook_retry_after(*, gateway: str, source: str, now: float | None = None) -> int | None:
@@ -154,7 +147,7 @@ def webhook_retry_after(*, gateway: str, source: str, now: float | None = None) 
     scope = Scope("webhook", redis_key(f"rl:webhook:{gateway}:{_digest(source)}"), limit)
     window = setting("RATE_LIMIT_WINDOW_SECONDS")
     try:
-        over, _ = _count([scope], now=time.time() if now is None else now, window=window)
+        over = _count([scope], now=time.time() if now is None else now, window=window)
     except redis.RedisError as exc:
         log.warning("webhook rate limit skipped: Redis unreachable (%s)", exc)
         return None
@@ -187,15 +180,9 @@ class AgentRateThrottle(BaseThrottle):
         key = request.auth
         if not isinstance(key, AgentKey):
             return True
-        from refundops import breaker
-
         moves_money = request.method not in SAFE_METHODS
-        # A request that moves money reads the breaker's state in the same round trip as its count:
-        # the view hands it to the service (Caller.breaker_state), which reads it again without it.
-        request.breaker_state = check_rate_limits(
-            caller=Caller.for_key(key), moves_money=moves_money,
-            session_id=_session_id_from_body(request) if moves_money else None,
-            also_read=breaker.state_key() if moves_money else None)
+        check_rate_limits(caller=Caller.for_key(key), moves_money=moves_money,
+                          session_id=_session_id_from_body(request) if moves_money else None)
         return True
 
     def wait(self) -> float | None:

@@ -59,7 +59,7 @@ class AgentView(APIView):
     parser_classes = [JSONBodyParser]
 
     def caller(self, request) -> Caller:
-        return Caller.for_key(request.auth, breaker_state=getattr(request, "breaker_state", None))
+        return Caller.for_key(request.auth)
 
     @staticmethod
     def idempotency_key(request) -> str:

@@ -171,7 +171,7 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     refund_ask = RefundAsk(amount_minor=ask.amount_minor, reason=ask.reason, destination=ask.destination,
                            agent_id=agent_id, session_id=ask.agent.session_id,
                            requester_authority_minor=caller.refund_authority(payment.currency))
-    breaker_open = bool(agent_id) and breaker.is_open(now=now, state=caller.breaker_state)
+    breaker_open = bool(agent_id) and breaker.is_open(now=now)
     locked = copy.copy(payment)  # the payment as locked, before this request reserves anything
 
     def decide() -> tuple[Decision, Totals, int]:
