@@ -7,7 +7,9 @@ Python side.
 
     .venv/bin/python bench/profile_refund.py [--requests 300] [--pyinstrument out.html]
 
-Recreates the database ``refundops_bench`` as bench/refunds.py does (it seeds the same way).
+Recreates the database ``refundops_bench`` as bench/refunds.py does (it seeds the same way);
+``BENCH_DB_NAME=refundops_bench_NAME`` (and ``BENCH_REDIS_URL``) give a checkout a database of its own
+when several measure on one machine.
 """
 
 from __future__ import annotations

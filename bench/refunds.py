@@ -43,7 +43,7 @@ import psycopg
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
-DB_NAME = "refundops_bench"
+DB_NAME = os.environ.get("BENCH_DB_NAME", "refundops_bench")  # one per checkout when several measure at once
 PG = "postgres://postgres@127.0.0.1:5432"
 AMOUNT = 500
 
