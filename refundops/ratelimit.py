@@ -1,13 +1,13 @@
 """Rate limits per agent, per agent session and global, in Redis, and the Redis connection that
 the breaker shares.
 
-Algorithm: an exact sliding window log. Each scope is a sorted set of request timestamps; one
-MULTI/EXEC drops the entries older than the window, adds this request and counts, for every scope
-at once. If any scope is then over its limit the request is refused and its entries are removed
-again. Entries of refused requests are only briefly visible, so a race can refuse a request that
-would have fit, never admit one that does not: at most ``limit`` requests are admitted in any
-window of ``RATE_LIMIT_WINDOW_SECONDS``. Plain MULTI (no Lua) so the in-process fakeredis of the
-embedded mode runs the very same code.
+Algorithm: an exact sliding window log. Each scope is a sorted set of request timestamps; one Lua
+script (one round trip, atomic) drops the entries older than the window from every scope, and
+either refuses the request (some scope already holds its limit) or adds it to every scope. A
+refused request is never in any window, not even for an instant, so at most ``limit`` requests
+are admitted in any window of ``RATE_LIMIT_WINDOW_SECONDS`` and a request that fits is never
+refused for another's race. The embedded mode's in-process fakeredis runs the same script
+(fakeredis[lua]).
 
 Settings (env, see refundops.settings; 0 turns a scope off):
 ``RATE_LIMIT_AGENT_PER_MINUTE`` (600), ``RATE_LIMIT_SESSION_PER_MINUTE`` (300),
@@ -18,6 +18,7 @@ Redis unreachable: calls that move money fail closed (503 ``SERVICE_UNAVAILABLE`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -28,6 +29,7 @@ from datetime import UTC, datetime
 
 import redis
 from django.conf import settings
+from redis.commands.core import Script
 from rest_framework.permissions import SAFE_METHODS
 from rest_framework.throttling import BaseThrottle
 
@@ -110,30 +112,49 @@ def check_rate_limits(*, caller: Caller, session_id: str | None = None, moves_mo
                        headers={"Retry-After": str(retry_after)}, retry_after=retry_after, scope=scope.name)
 
 
+# KEYS: one sorted set per scope. ARGV: the request's timestamp, the window's start (entries at or
+# before it have left), the keys' lifetime (seconds), the request's member, then each scope's limit
+# in KEYS' order. Returns nothing when the request is admitted (counted in every scope); else, for
+# each scope already at its limit, its position (1-based) and its oldest entry's timestamp, and the
+# request is counted nowhere.
+_COUNT_LUA = """
+local over = {}
+for i, key in ipairs(KEYS) do
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[2])
+    if redis.call('ZCARD', key) >= tonumber(ARGV[4 + i]) then
+        over[#over + 1] = i
+        over[#over + 1] = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')[2]
+    end
+end
+if #over == 0 then
+    for _, key in ipairs(KEYS) do
+        redis.call('ZADD', key, ARGV[1], ARGV[4])
+        redis.call('EXPIRE', key, ARGV[3])
+    end
+end
+return over
+"""
+
+
+@functools.cache
+def _count_script(client: redis.Redis) -> Script:
+    """One per client: redis-py sends EVALSHA and loads the script again after NOSCRIPT (a
+    restarted or flushed Redis)."""
+    return client.register_script(_COUNT_LUA)
+
+
 def _count(scopes: list[Scope], *, now: float, window: int) -> list[tuple[Scope, float]]:
-    """Count one request in every scope; the scopes it is over, each with the seconds until it
-    fits again (its entries removed again then). Raises redis.RedisError."""
+    """Count one request in every scope, or in none: the scopes that are full, each with the
+    seconds until its oldest entry leaves the window. Raises redis.RedisError."""
     member = f"{now:.6f}:{secrets.token_hex(4)}"
     client = redis_client()
-    pipe = client.pipeline(transaction=True)
-    for scope in scopes:
-        pipe.zremrangebyscore(scope.key, "-inf", now - window)
-        pipe.zadd(scope.key, {member: now})
-        pipe.zcard(scope.key)
-        pipe.zrange(scope.key, 0, 0, withscores=True)
-        pipe.expire(scope.key, window + 1)
-    replies = pipe.execute()
-    over = []
-    for i, scope in enumerate(scopes):
-        count, oldest = replies[i * 5 + 2], replies[i * 5 + 3]
-        if count > scope.limit:
-            over.append((scope, oldest[0][1] + window - now if oldest else window))
-    if over:
-        pipe = client.pipeline(transaction=True)
-        for scope in scopes:
-            pipe.zrem(scope.key, member)
-        pipe.execute()
-    return over
+    reply = _count_script(client)(keys=[scope.key for scope in scopes],
+                                  args=[repr(now), repr(now - window), window + 1, member,
+                                        *(scope.limit for scope in scopes)],
+                                  client=client)
+    # An entry stamped later than ``now`` (another host's clock) leaves a full window from now.
+    return [(scopes[int(reply[i]) - 1], min(float(reply[i + 1]), now) + window - now)
+            for i in range(0, len(reply), 2)]
 
 
 def webhook_retry_after(*, gateway: str, source: str, now: float | None = None) -> int | None:

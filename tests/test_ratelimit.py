@@ -10,6 +10,7 @@ import pytest
 from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.models import Agent
+from processors.redis_client import redis_client, redis_key
 from refundops.ratelimit import check_rate_limits
 from tests.conftest import make_agent_key, make_payment, post
 
@@ -161,3 +162,58 @@ def test_embedded_mode_counts_in_an_in_process_fakeredis(api, policy, settings, 
     for _ in range(2):
         assert api.get(f"/api/v1/payments/{payment.pk}").status_code == 200
     assert_rate_limited(api.get(f"/api/v1/payments/{payment.pk}"), "agent")
+
+
+def test_a_refused_request_takes_no_place_in_any_window_even_for_an_instant(limit):
+    """40 requests of one agent race past its limit of 5 while another agent sends 5, under a global
+    limit of 10: both agents' 5 fit, so all 10 are admitted. A refused request counted in the
+    global window until it is taken out again would refuse some of the other agent's."""
+    limit(agent=5, global_=10)
+    callers = [agent_caller("hammer")] * 40 + [agent_caller("quiet")] * 5
+    barrier = threading.Barrier(len(callers))
+    admitted: list[str] = []
+    refused: list[tuple[str, str]] = []
+
+    def run(caller: Caller) -> None:
+        barrier.wait()
+        try:
+            check_rate_limits(caller=caller)
+            admitted.append(caller.agent.name)
+        except ApiError as exc:
+            refused.append((caller.agent.name, exc.extra["scope"]))
+
+    threads = [threading.Thread(target=run, args=(caller,)) for caller in callers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(admitted) == ["hammer"] * 5 + ["quiet"] * 5
+    assert refused == [("hammer", "agent")] * 35
+
+
+def test_the_windows_hold_only_admitted_requests_and_expire_after_the_window(limit, settings):
+    settings.RATE_LIMIT_WINDOW_SECONDS = 30
+    limit(agent=2, session=5, global_=5)
+    caller = agent_caller("keys")
+    for t in (0.0, 1.0):
+        check_rate_limits(caller=caller, session_id="s1", now=2_000_000 + t)
+    with pytest.raises(ApiError):
+        check_rate_limits(caller=caller, session_id="s1", now=2_000_002)
+    client = redis_client()
+    keys = sorted(k.decode() for k in client.scan_iter(match=redis_key("rl:*")))
+    assert [k.split(":")[-2 if ":session:" in k else -1] for k in keys] == ["ag_keys", "global", "ag_keys"]
+    for key in keys:  # the refused request is in no scope; every key outlives its newest entry by the window
+        assert client.zrange(key, 0, -1, withscores=True)[1][1] == 2_000_001.0 and client.zcard(key) == 2
+        assert 0 < client.ttl(key) <= 31
+
+
+def test_the_limits_count_on_after_redis_forgets_the_script(limit):
+    """A restarted or flushed Redis answers NOSCRIPT: the script is loaded again, nothing is refused."""
+    limit(agent=2)
+    caller = agent_caller("noscript")
+    check_rate_limits(caller=caller)
+    redis_client().script_flush()
+    check_rate_limits(caller=caller)
+    with pytest.raises(ApiError) as refused:
+        check_rate_limits(caller=caller)
+    assert refused.value.code == "RATE_LIMITED"
