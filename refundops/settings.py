@@ -75,14 +75,15 @@ MIDDLEWARE = [
     "refundops.metrics.RequestMetricsMiddleware",  # first: counts every answer, refusals included
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",  # the admin's static files (not under refundops.asgi: below)
-    "django.contrib.sessions.middleware.SessionMiddleware",
+    # refundops.middleware: Django's, django-otp's and simple_history's, passed by for /api/ (key only)
+    "refundops.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django_otp.middleware.OTPMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
+    "refundops.middleware.AuthenticationMiddleware",
+    "refundops.middleware.OTPMiddleware",
+    "refundops.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "simple_history.middleware.HistoryRequestMiddleware",
+    "refundops.middleware.HistoryRequestMiddleware",
     "axes.middleware.AxesMiddleware",  # last: answers a locked-out sign-in
 ]
 if "refundops.asgi" in sys.modules and not DEBUG:
