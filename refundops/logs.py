@@ -20,6 +20,7 @@ from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from celery import signals
 
 REQUEST_ID_HEADER = "X-Request-ID"
+REQUEST_ID_META = "HTTP_X_REQUEST_ID"
 REQUEST_ID_TASK_HEADER = "refundops_request_id"
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
@@ -171,7 +172,7 @@ class RequestIdMiddleware:
 
     def _bind(self, request) -> str:
         structlog.contextvars.clear_contextvars()
-        request.request_id = bind_request_id(request.headers.get(REQUEST_ID_HEADER))
+        request.request_id = bind_request_id(request.META.get(REQUEST_ID_META))  # not request.headers: a copy of all
         return request.request_id
 
     def _answered(self, request, response, request_id: str):

@@ -4,7 +4,8 @@ its answer. The responses documented for each operation are exactly those it can
 from __future__ import annotations
 
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework.exceptions import ParseError
+from rest_framework.exceptions import NotAcceptable, ParseError
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -51,19 +52,38 @@ class JSONBodyParser(JSONParser):
         return data
 
 
+class JSONNegotiation(DefaultContentNegotiation):
+    """The answer is JSON, the one renderer. A request that takes it as it is (no Accept, ``*/*``
+    or ``application/json``; no query string, so no ``?format=``) gets it without DRF parsing the
+    header and the query string; any other goes DRF's way (``indent=``, quality lists). One whose
+    Accept names no JSON gets JSON too, as RFC 9110 (12.5.1) allows: DRF's NotAcceptable reached no
+    handler of ours and answered 500, and a 406 is not in the contract."""
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        default = renderers[0], renderers[0].media_type
+        if (len(renderers) == 1 and not format_suffix and not request.META.get("QUERY_STRING")
+                and request.META.get("HTTP_ACCEPT", "*/*") in ("*/*", default[1])):
+            return default
+        try:
+            return super().select_renderer(request, renderers, format_suffix)
+        except NotAcceptable:
+            return default
+
+
 class AgentView(APIView):
     """Key (authentication), capability (permission), rate limits (throttle), in the contract's order."""
 
     required_capability: str
     throttle_classes = [AgentRateThrottle]
     parser_classes = [JSONBodyParser]
+    content_negotiation_class = JSONNegotiation
 
     def caller(self, request) -> Caller:
         return Caller.for_key(request.auth)
 
     @staticmethod
     def idempotency_key(request) -> str:
-        return request.headers.get("Idempotency-Key", "").strip()
+        return request.META.get("HTTP_IDEMPOTENCY_KEY", "").strip()  # request.headers would copy every header
 
 
 class PaymentDetailView(AgentView):
