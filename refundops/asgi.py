@@ -4,31 +4,21 @@ the ASGI lifespan on (their default, "auto"): the MCP session manager starts in 
 
 import os
 
-from django.core.asgi import get_asgi_application
+import django
 from starlette.exceptions import HTTPException
 from starlette.responses import PlainTextResponse
 from starlette.staticfiles import StaticFiles
 from starlette.types import Message, Receive, Scope, Send
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "refundops.settings")
-django_app = get_asgi_application()  # sets Django up before anything imports models
+django.setup(set_prefix=False)  # before anything imports models
 
 from django.conf import settings  # noqa: E402
-from django.core.handlers.asgi import ASGIHandler  # noqa: E402
-from django.core.signals import request_finished  # noqa: E402
-from django.db import connections  # noqa: E402
+from refundops.asgi_handler import DjangoHandler  # noqa: E402
 
-
-def close_request_connections(**kwargs) -> None:
-    """Each ASGI request runs in a thread of its own that ends with it: its connection goes back to
-    the pool (settings turn the pool on here), or, with DATABASE_POOL=false or settings read
-    before this module (a test process), is closed rather than left behind with the thread."""
-    for conn in connections.all(initialized_only=True):
-        if not conn.in_atomic_block:
-            conn.close()
-
-
-request_finished.connect(close_request_connections, sender=ASGIHandler)
+# Each process runs at most WEB_THREADS Django requests at once, each on a thread it keeps; more wait
+# their turn on the loop (refundops/asgi_handler.py; docs/OPERATIONS.md).
+django_app = DjangoHandler(threads=int(os.environ.get("WEB_THREADS", "2")))
 
 from refundops.mcp_server import MCP_PATH, http_app  # noqa: E402
 

@@ -88,9 +88,9 @@ MIDDLEWARE = [
 ]
 if "refundops.asgi" in sys.modules and not DEBUG:
     # Served by refundops.asgi (uvicorn, gunicorn's UvicornWorker): it serves STATIC_ROOT at
-    # STATIC_URL itself, and WhiteNoise, sync only, would cost every request two crossings between
-    # the event loop and a thread. Every other middleware here is async-capable, so a sync view
-    # costs one. (With DEBUG, WhiteNoise stays: it finds static files before any collectstatic.)
+    # STATIC_URL itself, on the event loop, and a static file never takes one of the threads
+    # Django's requests wait for (refundops/asgi_handler.py). (With DEBUG, WhiteNoise stays: it
+    # finds static files before any collectstatic.)
     MIDDLEWARE.remove("whitenoise.middleware.WhiteNoiseMiddleware")
 
 ROOT_URLCONF = "refundops.urls"
@@ -117,10 +117,12 @@ DATABASES["default"]["ATOMIC_REQUESTS"] = False
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20, "transaction_mode": "IMMEDIATE"})
 elif env.bool("DATABASE_POOL", default="refundops.asgi" in sys.modules or sys.argv[1:2] == ["mcp"]):
-    # Under ASGI (refundops.asgi: uvicorn, gunicorn's UvicornWorker, MCP over HTTP) and in
-    # `manage.py mcp` (stdio) each request runs in a thread of its own that ends with it, so a
-    # persistent connection would be left behind with its thread: Django's docs say to pool
-    # instead. So these processes have a psycopg pool unless DATABASE_POOL says otherwise.
+    # Under ASGI (refundops.asgi: uvicorn, gunicorn's UvicornWorker) each MCP call, over HTTP and
+    # in `manage.py mcp` (stdio), runs in a thread of its own that ends with it, so a persistent
+    # connection would be left behind with its thread: Django's docs say to pool instead. (Django's
+    # own requests there run on the WEB_THREADS threads each process keeps, and check a connection
+    # out of the same pool per request: no statement, no round trip.) So these processes have a
+    # psycopg pool unless DATABASE_POOL says otherwise.
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": env.int("DATABASE_POOL_MIN", default=2), "max_size": env.int("DATABASE_POOL_MAX", default=20)}
 else:

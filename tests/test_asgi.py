@@ -1,22 +1,28 @@
 """Under ASGI (refundops.asgi: uvicorn, gunicorn's UvicornWorker) a request crosses from the event
-loop to a thread once, for the (sync) view: every middleware in the chain is async-capable, ours
-included, and WhiteNoise is left out (refundops.asgi serves the static files). The request id our
-middleware binds on the loop still reaches the lines the view logs in its thread. (Issue 11.)"""
+loop to a thread once: refundops.asgi's handler runs request_started, the whole middleware chain
+(built sync), the view and the response's close in one call, on a thread the process keeps and
+leases to one request at a time (refundops/asgi_handler.py). Our middleware is also async-capable,
+for Django's own ASGI handler (AsyncClient), where WhiteNoise is left out; the request id it binds
+reaches a sync view's lines. (Issue 11.)"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import pytest
 import structlog
 from asgiref.sync import SyncToAsync, async_to_sync
 from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
+from django.core.signals import request_finished
+from django.db import connections
 from django.http import HttpResponse
 from django.test import AsyncClient, override_settings
 from django.urls import path
 
+from refundops.asgi_handler import DjangoHandler, Threads
 from refundops.metrics import HTTP_REQUESTS
 from tests.test_logs import formatted_lines
 
@@ -70,3 +76,140 @@ def test_the_request_id_reaches_the_views_lines_and_the_request_is_counted_under
     assert request and request[0]["request_id"] == "req-asgi-1" and request[0]["route"] == "asgi-probe"
     assert counted._value.get() == before + 1
     assert structlog.contextvars.get_contextvars() == {}  # nothing left bound after the request
+
+
+# -- refundops.asgi's handler: one crossing per request, on threads the process keeps ---------------
+
+def connection_probe(request):
+    """A sync view that uses the database, as the API's do; it leaves its connection to be found."""
+    from django.db import connections
+
+    with connections["default"].cursor() as cursor:
+        cursor.execute("SELECT 1")
+    seen.append((threading.current_thread().name, connections["default"]))
+    return HttpResponse("ok")
+
+
+seen: list = []
+urlpatterns.append(path("db/", connection_probe, name="asgi-db-probe"))
+
+
+def asgi_get(app, path: str, *, times: int = 1) -> list[dict]:
+    """``times`` GETs of ``path`` through ``app`` as uvicorn calls it (each in a task of its own), one
+    after the other on one event loop; the messages each sent."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "server": ("testserver", 80), "client": ("127.0.0.1", 5000), "headers": [(b"host", b"testserver")]}
+    answers = []
+
+    async def one() -> None:
+        asked, sent = False, []
+
+        async def receive():
+            nonlocal asked
+            if not asked:
+                asked = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await asyncio.Event().wait()  # the client stays
+
+        async def send(message):
+            sent.append(message)
+
+        await app(dict(scope), receive, send)
+        answers.append(sent)
+
+    async def all_of_them() -> None:
+        for _ in range(times):
+            await asyncio.create_task(one())
+
+    asyncio.run(all_of_them())
+    return answers
+
+
+def crossings_and_threads(app, path: str, monkeypatch, *, times: int = 4) -> tuple[float, float]:
+    """Calls from the loop to a thread (SyncToAsync) and threads started, per request, after a warm one."""
+    asgi_get(app, path)
+    counts = {"crossings": 0, "threads": 0}
+    call, start = SyncToAsync.__call__, threading.Thread.start
+
+    async def counted_call(self, *args, **kwargs):
+        counts["crossings"] += 1
+        return await call(self, *args, **kwargs)
+
+    def counted_start(self, *args, **kwargs):
+        counts["threads"] += 1
+        return start(self, *args, **kwargs)
+
+    monkeypatch.setattr(SyncToAsync, "__call__", counted_call)
+    monkeypatch.setattr(threading.Thread, "start", counted_start)
+    answers = asgi_get(app, path, times=times)
+    monkeypatch.undo()
+    assert all(sent[0]["status"] == 200 for sent in answers)
+    return counts["crossings"] / times, counts["threads"] / times
+
+
+def test_the_deployed_handler_crosses_to_a_thread_once_per_request_and_starts_none(monkeypatch):
+    """Django's ASGIHandler calls a thread for each middleware hook (MiddlewareMixin runs
+    process_request/process_view/process_response through sync_to_async), for the view, for
+    request_started and for the response's close, and starts two threads per request (the request's
+    own and one that joins it): each crossing wakes a thread and then the loop. refundops.asgi's
+    handler runs all of it in one call, on a thread it keeps. Fails before (refundops.asgi served
+    Django's handler): 16 crossings and 2 threads started per request."""
+    with override_settings(MIDDLEWARE=ASGI_MIDDLEWARE, ROOT_URLCONF=__name__):
+        django_crossings, django_threads = crossings_and_threads(ASGIHandler(), "/probe/", monkeypatch)
+        ours = crossings_and_threads(DjangoHandler(threads=2), "/probe/", monkeypatch)
+    # the control: Django's own handler
+    assert django_crossings >= 10 and django_threads == 2, (django_crossings, django_threads)
+    assert ours == (1, 0)
+
+
+def test_requests_lease_the_handlers_threads_and_finish_on_them(monkeypatch):
+    """Each request runs on one of the handler's threads, reused, and request_finished (which gives
+    the request's connection back to the pool) is sent on that same thread, where Django keeps the
+    connection, before the next request there begins."""
+    seen.clear()
+    finished = []
+
+    def on_finished(sender, **kwargs):
+        finished.append((threading.current_thread().name, sender))
+
+    request_finished.connect(on_finished)
+    # As under refundops.asgi's pool: the connection closed as the request finishes (not kept open by
+    # the handler's thread past the test).
+    monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", 0)
+    try:
+        with override_settings(MIDDLEWARE=ASGI_MIDDLEWARE, ROOT_URLCONF=__name__):
+            answers = asgi_get(DjangoHandler(threads=1), "/db/", times=3)
+    finally:
+        request_finished.disconnect(on_finished)
+    assert [sent[0]["status"] for sent in answers] == [200, 200, 200]
+    threads = {name for name, _ in seen}
+    assert len(threads) == 1  # one thread kept, not one per request
+    assert finished == [(*threads, DjangoHandler)] * 3
+    assert seen[-1][1].connection is None
+
+
+def test_past_its_threads_a_worker_queues_requests_on_the_loop_in_order():
+    """With N threads, at most N requests of a process run Django code at once; the rest wait their
+    turn on the loop (first come, first served) instead of contending for the GIL and the pool."""
+    async def scenario() -> tuple[list[int], list[int]]:
+        threads = Threads(2)
+        running, most, order = 0, 0, []
+
+        async def request(i: int) -> None:
+            nonlocal running, most
+            executor = await threads.acquire()
+            try:
+                running += 1
+                most = max(most, running)
+                order.append(i)
+                await asyncio.sleep(0.01)
+                running -= 1
+            finally:
+                threads.release(executor)
+
+        await asyncio.gather(*(request(i) for i in range(6)))
+        return [most], order
+
+    most, order = asyncio.run(scenario())
+    assert most == [2] and order == list(range(6))

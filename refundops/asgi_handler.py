@@ -1,0 +1,123 @@
+"""Django's ASGI handler as refundops.asgi serves it: one crossing from the event loop to a thread per
+request, on a thread the process keeps (issue 11).
+
+Django's own ASGIHandler calls the request's thread once for each middleware hook of the chain
+(``MiddlewareMixin`` runs ``process_request``, ``process_view`` and ``process_response`` through
+sync_to_async), once for the view, for ``request_started`` and for the response's close: 16
+crossings a request, each a wake-up of that thread and then of the loop; and it starts two threads
+per request (the request's own, and one that joins it at the end). Here the chain is built sync and
+``respond()`` runs request_started, the chain, the view and, unless the response streams, its close
+(``request_finished``: the connection back to the pool) in one call.
+
+Each request leases one of ``threads`` long-lived threads for its whole life (a
+``ThreadSensitiveContext`` on it: a streamed CSV export still reads its cursor there). Past that
+many, requests wait on the loop for one in the order they came: a worker runs at most ``threads``
+requests' Python at once, rather than every request its connections bring, each in a thread of
+its own contending for the GIL and the pool."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from concurrent.futures import ThreadPoolExecutor
+
+from asgiref.sync import ThreadSensitiveContext, sync_to_async
+from django.core import signals
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
+from django.core.exceptions import RequestAborted
+from django.http import FileResponse
+from django.urls import set_script_prefix
+
+
+class Threads:
+    """``size`` single-thread executors, each leased to one request at a time; a request that finds
+    none idle waits for the next one returned, first come first served."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError("a Django handler needs at least one thread")
+        self.idle = collections.deque(ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"django-{i}")
+                                      for i in range(size))
+        self.waiting: collections.deque[asyncio.Future] = collections.deque()
+
+    async def acquire(self) -> ThreadPoolExecutor:
+        if self.idle and not self.waiting:
+            return self.idle.pop()  # the one last returned: its thread is warm
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiting.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed one just as it was cancelled
+                self.release(waiter.result())
+            raise
+
+    def release(self, executor: ThreadPoolExecutor) -> None:
+        while self.waiting:
+            waiter = self.waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(executor)
+                return
+        self.idle.append(executor)
+
+
+class DjangoHandler(ASGIHandler):
+    """Django's ASGI handler with the sync middleware chain, one crossing a request, on leased threads."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = Threads(threads)
+        super().__init__()
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        super().load_middleware(is_async=False)  # the whole chain runs in the request's thread
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
+        executor = await self.threads.acquire()
+        try:
+            async with ThreadSensitiveContext(executor=executor):
+                await self.handle(scope, receive, send)
+        finally:
+            self.threads.release(executor)
+
+    async def handle(self, scope, receive, send) -> None:
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        try:
+            response = await sync_to_async(self.respond, thread_sensitive=True)(scope, body_file)
+            if not response.streaming:
+                await self.send_response(response, send)
+                return
+            # A streamed response reads (a CSV export: its cursor) as it is sent; stop if the client goes.
+            try:
+                sending = asyncio.create_task(self.send_response(response, send))
+                listening = asyncio.create_task(self.listen_for_disconnect(receive))
+                await asyncio.wait([sending, listening], return_when=asyncio.FIRST_COMPLETED)
+                for task in (listening, sending):
+                    task.cancel()
+                    try:
+                        await task
+                    except (asyncio.CancelledError, RequestAborted):
+                        pass
+            finally:
+                await sync_to_async(response.close, thread_sensitive=True)()
+        finally:
+            body_file.close()
+
+    def respond(self, scope, body_file):
+        """The request's sync part, on its thread: request_started, the request, the middleware chain
+        and the view; a response that is not streamed is closed here (request_finished)."""
+        set_script_prefix(get_script_prefix(scope))
+        signals.request_started.send(sender=self.__class__, scope=scope)
+        request, response = self.create_request(scope, body_file)
+        if request is not None:
+            response = self.get_response(request)
+            response._handler_class = self.__class__
+            if isinstance(response, FileResponse):
+                response.block_size = self.chunk_size
+        if not response.streaming:
+            response.close()
+        return response
