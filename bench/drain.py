@@ -193,6 +193,9 @@ class Bench:
                 ids.append(refund_id)
                 done[0] += 1
         stop.set()
+        from refundops import outbox
+
+        outbox.drain(timeout=120)  # every submit_refund queued before a worker starts (the sender sends them)
         log(f"seeded {n} approved refunds in {time.monotonic() - started:.1f} s")
         return ids
 

@@ -5,7 +5,19 @@ trips per request, the SQL statements per request with PostgreSQL's own time for
 (pg_stat_statements, when the server preloads it), and with ``--pyinstrument`` a profile of the
 Python side.
 
-    .venv/bin/python bench/profile_refund.py [--requests 300] [--pyinstrument out.html]
+CPU is reported for the request's own thread (what the client waits for) apart from the rest of
+the process: the outbox's sender thread, which sends the committed effects after the request has
+answered (refundops/outbox.py), is drained at the end of each measurement, so its CPU, statements
+and Redis round trips are counted too, per request but on their own line. cProfile and pyinstrument
+see the request's thread only.
+
+    .venv/bin/python bench/profile_refund.py [--requests 300] [--pyinstrument out.html] [--cprofile LINES]
+                                             [--against-inline ROUNDS]
+
+``--against-inline ROUNDS`` measures, in this one process, alternating blocks of 100 requests with
+the nudge run inline in the request's thread (as before the sender, and as when no thread can be
+started) and handed to the sender: on a shared machine whose load moves from minute to minute,
+only blocks interleaved this way compare fairly. It prints each block and the medians.
 
 Recreates the database ``refundops_bench`` as bench/refunds.py does (it seeds the same way);
 ``BENCH_DB_NAME=refundops_bench_NAME`` (and ``BENCH_REDIS_URL``) give a checkout a database of its own
@@ -17,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -28,16 +41,55 @@ sys.path.insert(0, str(ROOT))
 from bench.refunds import DB_NAME, PG, recreate_database, seed  # noqa: E402
 
 
+def drain_sender() -> None:
+    """Wait until the outbox's sender thread has sent what the requests queued (no-op before it existed)."""
+    from refundops import outbox
+
+    if hasattr(outbox, "drain"):
+        assert outbox.drain(timeout=60), "the outbox's sender did not drain"
+
+
+def against_inline(one, rounds: int) -> None:
+    """Blocks of 100 requests, the nudge inline then through the sender, ``rounds`` times; CPU ms a
+    request of the request's thread and of the process (the sender drained at each block's end)."""
+    from refundops import outbox
+
+    sender = outbox._running_sender
+    blocks: dict[str, list[tuple[float, float, float]]] = {"inline": [], "sender": []}
+    try:
+        for _ in range(rounds):
+            for mode in blocks:
+                # No sender: the nudge runs inline, as when no thread can be started.
+                outbox._running_sender = (lambda: None) if mode == "inline" else sender
+                cpu, thread_cpu, wall = time.process_time(), time.thread_time(), time.perf_counter()
+                for _ in range(100):
+                    one()
+                thread_cpu = time.thread_time() - thread_cpu
+                wall = time.perf_counter() - wall
+                drain_sender()
+                blocks[mode].append((thread_cpu * 10, (time.process_time() - cpu) * 10, wall * 10))
+                print(f"{mode:>6}: CPU a request: request's thread {blocks[mode][-1][0]:.2f} ms, process"
+                      f" {blocks[mode][-1][1]:.2f} ms; wall {blocks[mode][-1][2]:.2f} ms", flush=True)
+    finally:
+        outbox._running_sender = sender
+    for mode, rows in blocks.items():
+        thread_cpu, cpu, wall = (statistics.median(row[i] for row in rows) for i in range(3))
+        print(f"median, nudge {mode}: CPU a request: request's thread {thread_cpu:.2f} ms, process {cpu:.2f} ms;"
+              f" wall {wall:.2f} ms ({rounds} blocks of 100)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--pyinstrument", metavar="HTML", help="write a pyinstrument profile of the timed requests")
     parser.add_argument("--cprofile", type=int, metavar="LINES", help="cProfile on CPU time (not wall): the top LINES")
+    parser.add_argument("--against-inline", type=int, metavar="ROUNDS",
+                        help="alternate 100 requests with the nudge inline and 100 with the sender, ROUNDS times")
     args = parser.parse_args()
     n = args.requests
 
     recreate_database()
-    keys, payments, _ = seed(clients=1, per_client=3 * n + 50)
+    keys, payments, _ = seed(clients=1, per_client=max(3 * n, 200 * (args.against_inline or 0)) + 60)
     payments = payments[0]
     import psycopg
     import redis
@@ -58,30 +110,55 @@ def main() -> None:
 
     for _ in range(50):  # warm: imports, caches, the key's first use, the connection
         one()
+    drain_sender()
 
-    # Redis: every command and every round trip (a pipeline is one).
-    commands: Counter[str] = Counter()
-    trips = [0]
+    # Redis: every command and every round trip (a pipeline is one), by thread: the request's own,
+    # and the others' (the outbox's sender).
+    request_thread = threading.get_ident()
+    commands: dict[str, Counter[str]] = {"request": Counter(), "other": Counter()}
+    trips = {"request": 0, "other": 0}
     execute, pipeline_execute = redis.Redis.execute_command, redis.client.Pipeline.execute
 
+    def whose() -> str:
+        return "request" if threading.get_ident() == request_thread else "other"
+
     def counting_execute(self, *a, **kw):
-        commands[str(a[0]).split()[0].upper()] += 1
-        trips[0] += 1
+        commands[whose()][str(a[0]).split()[0].upper()] += 1
+        trips[whose()] += 1
         return execute(self, *a, **kw)
 
     def counting_pipeline(self, *a, **kw):
         for command in self.command_stack:
-            commands["(pipeline) " + str(command[0][0]).upper()] += 1
-        trips[0] += 1
+            commands[whose()]["(pipeline) " + str(command[0][0]).upper()] += 1
+        trips[whose()] += 1
         return pipeline_execute(self, *a, **kw)
 
+    # The other threads' statements: every cursor's execute, outside the request's thread.
+    from django.db.backends.utils import CursorWrapper
+
+    other_sql: list[str] = []
+    cursor_execute = CursorWrapper.execute
+
+    def counting_cursor_execute(self, sql, params=None):
+        if threading.get_ident() != request_thread:
+            other_sql.append(sql)
+        return cursor_execute(self, sql, params)
+
     redis.Redis.execute_command, redis.client.Pipeline.execute = counting_execute, counting_pipeline
+    CursorWrapper.execute = counting_cursor_execute
     with CaptureQueriesContext(connection) as queries:
         one()
+    drain_sender()
     redis.Redis.execute_command, redis.client.Pipeline.execute = execute, pipeline_execute
-    print(f"one request: {len(queries)} SQL statements, {trips[0]} Redis round trips: {dict(commands)}")
+    CursorWrapper.execute = cursor_execute
+    print(f"one request, its own thread: {len(queries)} SQL statements, {trips['request']} Redis round trips: "
+          f"{dict(commands['request'])}")
     for q in queries:
         print("   ", " ".join(q["sql"].split())[:130])
+    print(f"after it, other threads (the outbox's sender): {len(other_sql)} SQL statements, {trips['other']} Redis "
+          f"round trips: {dict(commands['other'])}")
+    for sql in other_sql:
+        print("   ", " ".join(sql.split())[:130])
 
     with psycopg.connect(f"{PG}/{DB_NAME}", autocommit=True) as pg:
         try:
@@ -92,14 +169,21 @@ def main() -> None:
             print(f"pg_stat_statements unavailable ({exc.__class__.__name__}): no per-statement times")
             stats = False
 
-    times, cpu = [], time.process_time()
+    if args.against_inline:
+        against_inline(one, args.against_inline)
+        return
+
+    times, cpu, thread_cpu = [], time.process_time(), time.thread_time()
     for _ in range(n):
         start = time.perf_counter()
         one()
         times.append(time.perf_counter() - start)
+    thread_cpu = time.thread_time() - thread_cpu
+    drain_sender()  # what the requests left to the sender, counted in the process's CPU below
     cpu = time.process_time() - cpu
     print(f"{n} requests: wall mean {statistics.mean(times) * 1000:.2f} ms, p50 {statistics.median(times) * 1000:.2f} ms;"
-          f" CPU of this (Django) process {cpu / n * 1000:.2f} ms a request")
+          f" CPU a request: the request's thread {thread_cpu / n * 1000:.2f} ms, other threads (the outbox's sender)"
+          f" {(cpu - thread_cpu) / n * 1000:.2f} ms, the whole (Django) process {cpu / n * 1000:.2f} ms")
 
     if stats:
         with psycopg.connect(f"{PG}/{DB_NAME}", autocommit=True) as pg:
@@ -123,6 +207,7 @@ def main() -> None:
         for _ in range(n):
             one()
         profile.disable()
+        drain_sender()
         pstats.Stats(profile).sort_stats("cumulative").print_stats(args.cprofile)
 
     if args.pyinstrument:
@@ -133,6 +218,7 @@ def main() -> None:
         for _ in range(n):
             one()
         profiler.stop()
+        drain_sender()
         Path(args.pyinstrument).write_text(profiler.output_html())
         print(profiler.output_text(unicode=False, color=False, show_all=False))
 

@@ -6,6 +6,13 @@ commits, a nudge tries to send just those rows to the broker; a broker that is d
 never raised to the caller (whose change stands), and the row waits. Beat's ``relay_outbox``
 sends every row still unsent ``OUTBOX_GRACE_SECONDS`` after it was written.
 
+The nudge does not make the caller wait for the broker: the committed rows' ids are handed to
+this process's sender, a daemon thread that sends what is handed to it in batches (one claim, one
+publish batch, one mark per batch) on a database connection of its own, so a request answers right
+after its COMMIT. Whatever the sender does not get to (its queue full, the broker down, the process
+gone) is already durable and the relay's. Where a caller must see its effects at once (eager tasks)
+or is itself off any request's path (a Celery task), the nudge runs inline instead (:func:`_nudge`).
+
 A sender claims rows before it sends them (one statement that skips rows another sender has
 locked and takes only rows nobody holds), so the nudge and the relay, or two relays, never send
 one row twice. A sender that dies between sending and marking the row sent lets go after
@@ -17,16 +24,20 @@ Imports only models: services, approvals and ``outbound`` write here; ``tasks`` 
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
+import threading
 from collections.abc import Iterable
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
 from celery import current_app
+from celery._state import get_current_task
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 from psycopg.types.json import Jsonb
 
@@ -36,6 +47,13 @@ log = logging.getLogger(__name__)
 
 # How long a claim holds a row: far longer than one publish takes.
 CLAIM_SECONDS = 60
+# The sender: ids it claims and publishes at once; ids it keeps waiting at most (past that, with the
+# broker down or slow, new ones are left to the relay, which has them anyway); idle this long, it
+# gives its database connection back; at exit, the process waits this long for it to finish.
+SENDER_BATCH = 500
+SENDER_MAX_WAITING = 20_000
+SENDER_IDLE_SECONDS = 60
+SENDER_EXIT_SECONDS = 5
 
 _TABLE = OutboxMessage._meta.db_table
 _CLAIM_SQL = f"""
@@ -111,10 +129,154 @@ def _pending_nudge() -> _Nudge | None:
 
 
 def _nudge(message_ids: list[int]) -> None:
+    """Hand the committed rows to this process's sender, or send them here and now:
+    - eager tasks (tests, ``CELERY_TASK_ALWAYS_EAGER``): inline, so the caller sees the effects
+      when its call returns, and an eager task runs in its caller's thread, not in the sender's;
+    - in a Celery task: inline. No client waits on a task; sent before the task returns, its
+      effects do not wait in a worker process that Celery may recycle or kill, and a pool process
+      does not hold a second database connection for a sender;
+    - everywhere else (web workers, the MCP server, management commands): the sender. At exit the
+      process gives it ``SENDER_EXIT_SECONDS`` to finish (a graceful shutdown sends what is
+      waiting); a process killed, or a sender that cannot keep up, leaves the rows to the relay."""
+    if current_app.conf.task_always_eager or get_current_task() is not None:
+        _send_now(message_ids)
+        return
+    sender = _running_sender()
+    if sender is None:  # no new thread at interpreter shutdown
+        _send_now(message_ids)
+    else:
+        sender.put(message_ids)
+
+
+def _send_now(message_ids: list[int]) -> None:
     try:
-        send_claimed(_claim(ids=message_ids, now=timezone.now()), retry=False)  # the caller waits: one try
+        send_claimed(_claim(ids=message_ids, now=timezone.now()), retry=False)  # one try: the relay retries
     except Exception:  # noqa: BLE001 - the caller's change stands; the relay sends it later
         log.exception("outbox: could not send %s after commit; the relay will", message_ids)
+
+
+class _Sender:
+    """This process's after-commit sender: a daemon thread that sends the ids commits hand it, in
+    batches of up to ``SENDER_BATCH``, on a database connection of its own (Django's are per
+    thread), kept and checked between batches as around a request (``CONN_MAX_AGE``,
+    ``CONN_HEALTH_CHECKS``; under the psycopg pool, taken from it and given back each batch)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.waiting: list[int] = []
+        self.busy = False  # a batch is being sent
+        self.stopping = False
+        self.full = False  # ids were left to the relay since the queue was last below its bound
+        self.changed = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="outbox-sender", daemon=True)
+
+    def put(self, ids: list[int]) -> None:
+        with self.changed:
+            if len(self.waiting) + len(ids) > SENDER_MAX_WAITING:
+                if not self.full:
+                    log.warning("outbox: the sender has %s ids waiting; leaving new ones to the relay", len(self.waiting))
+                self.full = True
+                return
+            self.full = False
+            self.waiting.extend(ids)
+            self.changed.notify_all()
+
+    def drain(self, timeout: float | None) -> bool:
+        """Wait until nothing is waiting or being sent; False if that took longer than ``timeout``
+        or the thread ended with ids left (the relay's)."""
+        with self.changed:
+            self.changed.wait_for(lambda: not (self.waiting or self.busy) or not self.thread.is_alive(), timeout)
+            return not (self.waiting or self.busy)
+
+    def stop(self, timeout: float | None) -> bool:
+        """Send what is waiting, then end the thread (closing its connection)."""
+        with self.changed:
+            self.stopping = True
+            self.changed.notify_all()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+        return not self.thread.is_alive() and not self.waiting
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.changed:
+                    self.busy = False
+                    self.changed.notify_all()
+                    if not self.changed.wait_for(lambda: self.waiting or self.stopping, SENDER_IDLE_SECONDS):
+                        batch = None  # idle: give the connection back
+                    elif not self.waiting:
+                        return  # stopping, and nothing left
+                    else:
+                        batch, self.waiting = self.waiting[:SENDER_BATCH], self.waiting[SENDER_BATCH:]
+                        self.busy = True
+                if batch is None:
+                    connection.close()
+                    continue
+                close_old_connections()  # as before a request: too old or broken, closed; else checked
+                _send_now(batch)
+                close_old_connections()  # as after one: under the pool, the connection goes back
+        finally:  # stopped, or died (the next nudge starts another; what it held is the relay's)
+            try:
+                connection.close()
+            finally:
+                with self.changed:
+                    self.busy = False
+                    self.changed.notify_all()
+
+
+_sender: _Sender | None = None
+_sender_lock = threading.Lock()
+
+
+def _running_sender() -> _Sender | None:
+    """This process's sender, started on first use and again after a fork (gunicorn forks its
+    workers: a pid of its own means a thread and queue of its own) or after its thread died."""
+    global _sender
+    sender = _sender
+    if sender is not None and sender.pid == os.getpid() and sender.thread.is_alive():
+        return sender
+    with _sender_lock:
+        if _sender is None or _sender.pid != os.getpid() or not _sender.thread.is_alive():
+            sender = _Sender()
+            try:
+                sender.thread.start()
+            except RuntimeError:  # "can't create new thread at interpreter shutdown"
+                return None
+            _sender = sender
+        return _sender
+
+
+def _after_fork_in_child() -> None:
+    global _sender_lock
+    _sender_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def drain(*, timeout: float | None = None) -> bool:
+    """Wait until this process's sender has sent what was handed to it (tests, benchmarks). True
+    when nothing is left waiting (or there is no sender)."""
+    sender = _sender
+    if sender is None or sender.pid != os.getpid():
+        return True
+    return sender.drain(timeout)
+
+
+def stop_sender(*, timeout: float | None = SENDER_EXIT_SECONDS) -> bool:
+    """Send what is waiting and end this process's sender, closing its connection (at exit, and
+    after each test). What it could not send in ``timeout`` is the relay's. The next nudge starts
+    a new one."""
+    global _sender
+    with _sender_lock:
+        sender, _sender = _sender, None
+    if sender is None or sender.pid != os.getpid():
+        return True
+    return sender.stop(timeout)
+
+
+atexit.register(stop_sender)  # a graceful exit (gunicorn's, a command's) sends what is waiting
 
 
 def relay_unsent(*, older_than_seconds: float | None = None, limit: int = 500) -> int:
@@ -183,11 +345,13 @@ def send_claimed(rows: list[tuple], *, retry: bool = True) -> int:
             done = {message_id for message_id, _, _ in failed}
             failed.extend((message_id, task, exc) for message_id, task, _, _ in rows if message_id not in done)
             sent = []
+    by_error: dict[str, list[int]] = {}
     for message_id, task, exc in failed:
         log.warning("outbox: sending %s (%s) failed: %s", task, message_id, exc)
+        by_error.setdefault(f"{type(exc).__name__}: {exc}"[:1000], []).append(message_id)
+    for error, message_ids in by_error.items():  # a broker down fails a whole batch with one error
         # Free for the relay's next sweep (the sweep interval is the backoff).
-        OutboxMessage.objects.filter(pk=message_id).update(
-            next_try_at=timezone.now(), last_error=f"{type(exc).__name__}: {exc}"[:1000])
+        OutboxMessage.objects.filter(pk__in=message_ids).update(next_try_at=timezone.now(), last_error=error)
     if sent:
         with connection.cursor() as cursor:
             cursor.execute(_SENT_SQL, [timezone.now(), sent])

@@ -80,6 +80,19 @@ def _default_merchant(request):
 
 
 @pytest.fixture(autouse=True)
+def _outbox_sender_stopped(request):
+    """A test that publishes for real (not eagerly) hands its commits to the outbox's sender thread:
+    what is waiting is sent before the test's database is emptied, and the thread ends with its
+    connection (the next test's nudge starts another; the test database is dropped at the end)."""
+    if "django_db_setup" in request.fixturenames or request.node.get_closest_marker("django_db"):
+        request.getfixturevalue("_django_db_helper")  # so this is torn down before the database is
+    yield
+    from refundops import outbox
+
+    outbox.stop_sender(timeout=30)
+
+
+@pytest.fixture(autouse=True)
 def _clean_redis():
     import redis
 

@@ -44,13 +44,16 @@ DEAD_BROKER = "redis://127.0.0.1:9/0"  # nothing listens on the discard port
 
 @contextmanager
 def broker_at(url: str) -> Iterator[None]:
-    """Publish to ``url`` for real (not eagerly), as a fresh process would: no pooled connection."""
+    """Publish to ``url`` for real (not eagerly), as a fresh process would: no pooled connection.
+    Commits meanwhile are sent by the outbox's sender thread: what it was handed is sent (or
+    refused) by the end of the block."""
     conf = celery_app.conf
     saved = conf.broker_url, conf.task_always_eager
     conf.broker_url, conf.task_always_eager = url, False
     celery_app._after_fork()  # Celery's own reset of its connection and producer pools
     try:
         yield
+        assert outbox.drain(timeout=30)
     finally:
         conf.broker_url, conf.task_always_eager = saved
         celery_app._after_fork()

@@ -1,0 +1,268 @@
+"""The outbox's sender: after COMMIT the caller hands its rows to a thread of its process and
+returns; the thread claims, publishes and marks them in batches on its own database connection.
+The broker is the real Redis; a publish is held back by blocking kombu's Redis transport on an
+event, so what the caller saw while the broker had not taken the message yet can be checked."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery._state import _task_stack
+from django.conf import settings as django_settings
+from django.db import connection, connections, transaction
+from kombu.transport import redis as kombu_redis
+
+from refundops import outbox
+from refundops.celery import app as celery_app
+from refundops.models import OutboxMessage
+from tests.conftest import make_payment, post
+from tests.test_connection_reuse import database_url
+from tests.test_outbox import broker_at, queued
+
+pytestmark = pytest.mark.django_db(transaction=True)  # real commits: the outbox acts on them
+
+POLL = "refundops.tasks.poll_refund"  # a task with plain kwargs, sent to the default queue
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class HeldBroker:
+    """kombu's Redis transport holds every publish made in this process, outside the test's own
+    thread, until :meth:`release` (a publish in the test's thread goes through, and is recorded:
+    the old nudge published in the caller's thread, and must not hang the test)."""
+
+    def __init__(self) -> None:
+        self.entered, self.released = threading.Event(), threading.Event()
+        self.in_caller: list[str] = []
+        self.pid, self.caller = os.getpid(), threading.current_thread()
+
+    def held(self) -> bool:
+        return os.getpid() == self.pid and threading.current_thread() is not self.caller
+
+    def release(self) -> None:
+        self.released.set()
+
+
+@pytest.fixture
+def held_broker(monkeypatch) -> Iterator[HeldBroker]:
+    held = HeldBroker()
+    put = kombu_redis.Channel._put
+
+    def held_put(self, queue, message, **kwargs):
+        if held.held():
+            held.entered.set()
+            held.released.wait(timeout=60)  # ends a hopeless wait only; the test releases it
+        elif os.getpid() == held.pid:
+            held.in_caller.append(message["headers"]["task"])
+        return put(self, queue, message, **kwargs)
+
+    monkeypatch.setattr(kombu_redis.Channel, "_put", held_put)
+    try:
+        yield held
+    finally:
+        held.release()
+
+
+def commit(*names: str) -> list[int]:
+    """One transaction writing a poll_refund row for each name; the rows' ids."""
+    with transaction.atomic():
+        return [outbox.send_after_commit(POLL, {"refund_id": name}, queue="default").pk for name in names]
+
+
+def sent_names() -> list[str]:
+    return sorted(m["kwargs"]["refund_id"] for m in queued("default"))
+
+
+def test_the_api_answers_while_the_broker_has_not_taken_the_effects_and_they_go_once(api, policy, held_broker):
+    """Fails on the nudge in the caller's thread: the refund's two messages were published there,
+    before the answer, and the rows were sent when it came."""
+    payment = make_payment(amount=5_000)
+    with broker_at(django_settings.REDIS_URL):
+        response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_000,
+                                                 "reason": "duplicate"})
+
+        assert response.status_code == 201, response.content
+        assert held_broker.in_caller == []  # nothing published in the request's thread
+        assert held_broker.entered.wait(timeout=30)  # the sender is publishing, held by the broker
+        rows = OutboxMessage.objects.order_by("pk")
+        assert [(m.task, m.sent_at, m.tries) for m in rows] == [
+            ("refundops.tasks.count_agent_refund", None, 1), ("refundops.tasks.submit_refund", None, 1)]
+        assert outbox.relay_unsent(older_than_seconds=0) == 0  # claimed by the sender: the relay keeps off
+
+        held_broker.release()
+    assert all(m.sent_at is not None and m.tries == 1 for m in OutboxMessage.objects.all())
+    refund_id = response.json()["refund"]["id"]
+    assert queued("payments.sandbox") == [{"task": "refundops.tasks.submit_refund", "kwargs": {"refund_id": refund_id}}]
+    assert [m["task"] for m in queued("default")] == ["refundops.tasks.count_agent_refund"]
+    assert outbox.relay_unsent(older_than_seconds=0) == 0  # sent once: nothing left for the relay
+
+
+def test_commits_made_while_the_sender_is_busy_go_out_in_one_batch(held_broker, monkeypatch):
+    claims: list[int] = []
+    claim = outbox._claim
+    monkeypatch.setattr(outbox, "_claim", lambda **kw: claims.append(len(kw["ids"])) or claim(**kw))
+    with broker_at(django_settings.REDIS_URL):
+        commit("first")
+        assert held_broker.entered.wait(timeout=30)
+        for i in range(5):
+            commit(f"later-{i}a", f"later-{i}b")
+        held_broker.release()
+    assert claims == [1, 10]  # one claim (and one publish batch, one mark) for the ten waiting
+    assert sent_names() == sorted(["first", *(f"later-{i}{x}" for i in range(5) for x in "ab")])
+    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
+
+
+def test_a_sender_that_cannot_keep_up_leaves_what_it_cannot_hold_to_the_relay(held_broker, monkeypatch, settings):
+    monkeypatch.setattr(outbox, "SENDER_MAX_WAITING", 2)
+    with broker_at(django_settings.REDIS_URL):
+        commit("in-flight")
+        assert held_broker.entered.wait(timeout=30)
+        commit("waiting-1", "waiting-2")
+        (dropped,) = commit("dropped")  # past the bound: not queued, the caller not delayed
+        held_broker.release()
+    assert sent_names() == ["in-flight", "waiting-1", "waiting-2"]
+    row = OutboxMessage.objects.get(pk=dropped)
+    assert row.sent_at is None and row.tries == 0
+
+    settings.OUTBOX_GRACE_SECONDS = 0
+    with broker_at(django_settings.REDIS_URL):
+        assert outbox.relay_unsent() == 1
+    assert sent_names() == ["dropped", "in-flight", "waiting-1", "waiting-2"]
+
+
+def test_a_rolled_back_transaction_hands_the_sender_nothing():
+    with broker_at(django_settings.REDIS_URL):
+        with pytest.raises(ZeroDivisionError), transaction.atomic():
+            commit("undone")
+            1 / 0
+        commit("kept")
+    assert sent_names() == ["kept"]
+    assert list(OutboxMessage.objects.values_list("kwargs", flat=True)) == [{"refund_id": "kept"}]
+
+
+def test_rows_a_dead_sender_held_are_sent_by_the_relay_and_the_next_commit_starts_another(monkeypatch, settings):
+    class Died(BaseException):
+        """Ends the sender's thread between its claim and the publish."""
+
+    send_claimed = outbox.send_claimed
+
+    def die(rows, **options):
+        raise Died
+
+    monkeypatch.setattr(outbox, "send_claimed", die)
+    monkeypatch.setattr(outbox, "CLAIM_SECONDS", 0)  # a dead sender's claim lapses now, not in a minute
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's death is the point
+    with broker_at(django_settings.REDIS_URL):
+        (lost,) = commit("lost")
+        first = outbox._sender
+        first.thread.join(timeout=30)
+        assert not first.thread.is_alive()
+        row = OutboxMessage.objects.get(pk=lost)
+        assert row.sent_at is None and row.tries == 1  # claimed, never published
+
+        monkeypatch.setattr(outbox, "send_claimed", send_claimed)
+        commit("next")  # a new sender, in a thread of its own
+    assert outbox._sender is not first and outbox._sender.thread.is_alive()
+    assert sent_names() == ["next"]
+
+    settings.OUTBOX_GRACE_SECONDS = 0
+    with broker_at(django_settings.REDIS_URL):
+        assert outbox.relay_unsent() == 1
+    assert sent_names() == ["lost", "next"]
+    assert OutboxMessage.objects.get(pk=lost).tries == 2
+
+
+@pytest.mark.parametrize("health_checks", [True, False])
+def test_a_sender_whose_database_connection_was_cut_recovers(health_checks, monkeypatch, settings):
+    monkeypatch.setitem(connection.settings_dict, "CONN_HEALTH_CHECKS", health_checks)  # the sender's, at connect
+    with broker_at(django_settings.REDIS_URL):
+        commit("before")
+    with connection.cursor() as cursor:  # PostgreSQL restarted, or an operator ended the sender's session
+        cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                       "WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'")
+        assert cursor.fetchone()
+    with broker_at(django_settings.REDIS_URL):
+        (cut,) = commit("cut")  # checked before use, a new connection; unchecked, the claim fails
+        assert outbox.drain(timeout=30)
+        commit("after")
+    if health_checks:
+        assert sent_names() == ["after", "before", "cut"]
+    else:
+        assert sent_names() == ["after", "before"]  # the failed batch's row is the relay's
+        assert OutboxMessage.objects.get(pk=cut).sent_at is None
+        settings.OUTBOX_GRACE_SECONDS = 0
+        with broker_at(django_settings.REDIS_URL):
+            assert outbox.relay_unsent() == 1
+        assert sent_names() == ["after", "before", "cut"]
+
+
+def _child_commits_and_sends() -> None:
+    """In the forked child: its own commit, through a sender of its own; the parent's not touched."""
+    inherited = outbox._sender
+    try:
+        commit("child")
+        sender = outbox._sender
+        ok = sender is not inherited and sender.pid == os.getpid() and outbox.stop_sender(timeout=30)
+    finally:
+        connection.close()
+    os._exit(0 if ok else 1)
+
+
+def test_a_forked_process_sends_through_a_sender_of_its_own(held_broker):
+    """As gunicorn forks its workers: the child starts its own thread and queue; the parent's ids,
+    one being published and one waiting at the fork, stay the parent's, sent once."""
+    with broker_at(django_settings.REDIS_URL):
+        commit("parent-in-flight")
+        assert held_broker.entered.wait(timeout=30)
+        commit("parent-waiting")
+        connections.close_all()  # the test's own connection is not the child's to share
+        child = multiprocessing.get_context("fork").Process(target=_child_commits_and_sends)
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert sent_names() == ["child"]
+        held_broker.release()
+    assert sent_names() == ["child", "parent-in-flight", "parent-waiting"]
+    assert set(OutboxMessage.objects.values_list("tries", flat=True)) == {1}
+    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
+
+
+EXIT_RIGHT_AFTER_COMMIT = """
+import os, sys, django
+os.environ["DJANGO_SETTINGS_MODULE"] = "refundops.settings"
+django.setup()
+from django.db import transaction
+from refundops import outbox
+with transaction.atomic():
+    outbox.send_after_commit("refundops.tasks.poll_refund", {"refund_id": "exiting"}, queue="default")
+sys.exit(0)  # a graceful exit (gunicorn's worker, a management command) right after the commit
+"""
+
+
+def test_a_process_that_exits_right_after_its_commit_sends_what_its_sender_held():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_POOL", "DATABASE_CONN"))}
+    env.update(DATABASE_URL=database_url(), REDIS_URL=django_settings.REDIS_URL, CELERY_TASK_ALWAYS_EAGER="false",
+               REDIS_KEY_PREFIX=django_settings.REDIS_KEY_PREFIX)
+    subprocess.run([sys.executable, "-c", EXIT_RIGHT_AFTER_COMMIT], cwd=ROOT, env=env, check=True, timeout=120)
+    assert sent_names() == ["exiting"]
+    assert OutboxMessage.objects.get().sent_at is not None
+
+
+def test_inside_a_celery_task_the_nudge_runs_before_the_task_returns():
+    """A worker's task commits its effects and sends them itself: no client waits on it, and a
+    worker process Celery recycles or kills would otherwise take them along."""
+    _task_stack.push(celery_app.tasks[POLL])
+    try:
+        with broker_at(django_settings.REDIS_URL):
+            commit("from-a-task")
+            assert OutboxMessage.objects.get().sent_at is not None  # before any drain
+            assert outbox._sender is None
+    finally:
+        _task_stack.pop()
+    assert sent_names() == ["from-a-task"]
