@@ -40,6 +40,8 @@ GATEWAY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 GATEWAY_OUTCOMES = ("ok", "declined", "unavailable")
 LOOPBACK = {"127.0.0.1", "::1"}
 
+# A request's method is the client's text: any other is counted as "other", so no client can add series.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 HTTP_REQUESTS = Counter("refundops_http_requests", "HTTP requests answered, by route and status",
                         ["method", "route", "status"])
 HTTP_SECONDS = Histogram("refundops_http_request_seconds", "Time to answer an HTTP request", ["method", "route"])
@@ -72,8 +74,9 @@ class RequestMetricsMiddleware:
     def _count(request, response, started: float):
         match = getattr(request, "resolver_match", None)
         route = (match.url_name or match.route) if match else "unmatched"
-        HTTP_REQUESTS.labels(request.method, route, str(response.status_code)).inc()
-        HTTP_SECONDS.labels(request.method, route).observe(time.perf_counter() - started)
+        method = request.method if request.method in HTTP_METHODS else "other"
+        HTTP_REQUESTS.labels(method, route, str(response.status_code)).inc()
+        HTTP_SECONDS.labels(method, route).observe(time.perf_counter() - started)
         return response
 
 

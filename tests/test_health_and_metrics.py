@@ -114,3 +114,18 @@ def test_metrics_carry_the_series_operators_alert_on(settings, api, policy):
     assert sample(body, "refundops_agent_breaker_open") == 0
     assert sample(body, "refundops_webhook_delivery_lag_seconds") == 0
     assert sample(body, "refundops_http_requests_total", method="POST", route="refund-create", status="201") >= 1
+
+
+def test_request_series_name_only_known_methods_whatever_a_client_sends(api):
+    """A method is the client's text: each new one made new series for ever (a counter's and a
+    histogram's buckets), so a client could grow every web process's memory and every scrape at
+    will. Fails before: the methods below were series of their own."""
+    from refundops.metrics import HTTP_REQUESTS
+
+    before = {labels for labels in HTTP_REQUESTS._metrics}
+    for method in ("BREW", "PROPFIND", "XXXXXXXXXXXXXXXXXXXX"):
+        assert api.generic(method, "/api/v1/refunds").status_code == 405
+    made = {labels for labels in HTTP_REQUESTS._metrics} - before
+    assert made <= {("other", "refund-create", "405")} and made
+    api.generic("GET", "/api/v1/payments/txn_nope")
+    assert ("GET", "payment-detail", "404") in HTTP_REQUESTS._metrics
