@@ -67,6 +67,7 @@ class DjangoHandler(ASGIHandler):
     def __init__(self, threads: int) -> None:
         self.threads = Threads(threads)
         super().__init__()
+        self.respond_on_thread = sync_to_async(self.respond, thread_sensitive=True)  # made once, not per request
 
     def load_middleware(self, is_async: bool = False) -> None:
         super().load_middleware(is_async=False)  # the whole chain runs in the request's thread
@@ -87,7 +88,7 @@ class DjangoHandler(ASGIHandler):
         except RequestAborted:
             return
         try:
-            response = await sync_to_async(self.respond, thread_sensitive=True)(scope, body_file)
+            response = await self.respond_on_thread(scope, body_file)
             if not response.streaming:
                 await self.send_response(response, send)
                 return

@@ -1,0 +1,120 @@
+"""What Django's request handling costs a request, by handler, in process (no server, no network):
+``GET /healthz`` through the project's middleware under Django's WSGIHandler, Django's ASGIHandler
+and refundops.asgi's DjangoHandler, with the calls from the event loop to a thread and the threads
+started per request.
+
+    .venv/bin/python bench/handlers.py [--requests 2000] [--handlers wsgi,django,ours] [--rounds 2]
+
+Prints CPU time (this process, all threads) and wall time per request. CPU is what to read on a
+shared machine. Needs no database (``/healthz`` reads none); settings are bench.settings_full's,
+WhiteNoise left out as under refundops.asgi.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings_full")
+PATH = "/healthz"
+
+
+def asgi_requests(app, n: int) -> None:
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": PATH, "raw_path": PATH.encode(), "query_string": b"", "root_path": "",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5000), "headers": [(b"host", b"127.0.0.1")]}
+
+    async def one() -> None:
+        asked, sent = False, []
+
+        async def receive():
+            nonlocal asked
+            if not asked:
+                asked = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await asyncio.Event().wait()  # the client stays
+
+        async def send(message):
+            sent.append(message)
+
+        await app(dict(scope), receive, send)
+        assert sent[0]["status"] == 200, sent
+
+    async def many() -> None:
+        for _ in range(n):
+            await asyncio.create_task(one())  # a task per request, as uvicorn runs them
+
+    asyncio.run(many())
+
+
+def wsgi_requests(app, n: int) -> None:
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": PATH, "QUERY_STRING": "", "SERVER_NAME": "127.0.0.1",
+               "SERVER_PORT": "80", "HTTP_HOST": "127.0.0.1", "REMOTE_ADDR": "127.0.0.1", "wsgi.url_scheme": "http"}
+
+    def start_response(status, headers):
+        assert status.startswith("200"), status
+
+    for _ in range(n):
+        response = app({**environ, "wsgi.input": io.BytesIO(b"")}, start_response)
+        b"".join(response)
+        response.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--handlers", default="wsgi,django,ours")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    import django
+
+    django.setup(set_prefix=False)
+    from asgiref.sync import SyncToAsync
+    from django.conf import settings
+    from django.core.handlers.asgi import ASGIHandler
+    from django.core.handlers.wsgi import WSGIHandler
+
+    from refundops.asgi_handler import DjangoHandler
+
+    if "whitenoise.middleware.WhiteNoiseMiddleware" in settings.MIDDLEWARE:
+        settings.MIDDLEWARE.remove("whitenoise.middleware.WhiteNoiseMiddleware")  # as under refundops.asgi
+    handlers = {"wsgi": (WSGIHandler, wsgi_requests), "django": (ASGIHandler, asgi_requests),
+                "ours": (lambda: DjangoHandler(threads=2), asgi_requests)}
+    counts = {"crossings": 0, "threads": 0}
+    call, start = SyncToAsync.__call__, threading.Thread.start
+
+    async def counted_call(self, *a, **kw):
+        counts["crossings"] += 1
+        return await call(self, *a, **kw)
+
+    def counted_start(self, *a, **kw):
+        counts["threads"] += 1
+        return start(self, *a, **kw)
+
+    SyncToAsync.__call__, threading.Thread.start = counted_call, counted_start
+    for _ in range(args.rounds):
+        for name in args.handlers.split(","):
+            make, drive = handlers[name]
+            app = make()
+            drive(app, 50)  # warm
+            counts.update(crossings=0, threads=0)
+            cpu, wall = time.process_time(), time.perf_counter()
+            drive(app, args.requests)
+            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+            n = args.requests
+            print(f"{name:7} CPU {1e6 * cpu / n:6.0f} µs  wall {1e6 * wall / n:6.0f} µs a request; "
+                  f"loop->thread calls {counts['crossings'] / n:4.1f}, threads started {counts['threads'] / n:4.2f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
