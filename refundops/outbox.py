@@ -213,9 +213,10 @@ class _Sender:
                 if batch is None:
                     connection.close()
                     continue
-                close_old_connections()  # as before a request: too old or broken, closed; else checked
                 _send_now(batch)
-                close_old_connections()  # as after one: under the pool, the connection goes back
+                # As after a request: a connection broken or past CONN_MAX_AGE is closed (under the
+                # pool, given back), the others checked before the next batch (CONN_HEALTH_CHECKS).
+                close_old_connections()
         finally:  # stopped, or died (the next nudge starts another; what it held is the relay's)
             try:
                 connection.close()
