@@ -10,7 +10,7 @@ import shutil
 
 bind = os.environ.get("BIND", "0.0.0.0:8000")
 workers = int(os.environ.get("WEB_CONCURRENCY", "4"))
-worker_class = "uvicorn_worker.UvicornWorker"
+worker_class = "refundops.serving.UvicornWorker"  # uvicorn's, one accept per wake-up (refundops/serving.py)
 accesslog = None  # each request is logged once, as JSON with its request id, by the app
 graceful_timeout = 30
 
