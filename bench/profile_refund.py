@@ -1,8 +1,9 @@
 """Where one approved ``POST /api/v1/refunds`` spends its time, in process: Django's test client
 through the whole stack (middleware, DRF, service, Redis, PostgreSQL on a persistent connection),
 no HTTP server. Prints the mean and median wall time per request, the Redis commands and round
-trips per request, the SQL statements per request with PostgreSQL's own time for each
-(pg_stat_statements, when the server preloads it), and with ``--pyinstrument`` a profile of the
+trips per request, the SQL statements and round trips to PostgreSQL per request (counted on the
+wire: bench/wire.py), PostgreSQL's own time for each statement (pg_stat_statements, when the
+server preloads it), and with ``--pyinstrument`` a profile of the
 Python side.
 
 CPU is reported for the request's own thread (what the client waits for) apart from the rest of
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.refunds import DB_NAME, PG, recreate_database, seed  # noqa: E402
+from bench.wire import on_the_wire  # noqa: E402
 
 
 def drain_sender() -> None:
@@ -146,13 +148,14 @@ def main() -> None:
 
     redis.Redis.execute_command, redis.client.Pipeline.execute = counting_execute, counting_pipeline
     CursorWrapper.execute = counting_cursor_execute
-    with CaptureQueriesContext(connection) as queries:
+    with CaptureQueriesContext(connection) as queries, on_the_wire(connection) as wire:
         one()
     drain_sender()
     redis.Redis.execute_command, redis.client.Pipeline.execute = execute, pipeline_execute
     CursorWrapper.execute = cursor_execute
-    print(f"one request, its own thread: {len(queries)} SQL statements, {trips['request']} Redis round trips: "
-          f"{dict(commands['request'])}")
+    print(f"one request, its own thread: {wire.statements} SQL statements in {wire.round_trips} round trips to"
+          f" PostgreSQL ({len(queries)} execute() calls and BEGIN/COMMIT as Django logs them),"
+          f" {trips['request']} Redis round trips: {dict(commands['request'])}")
     for q in queries:
         print("   ", " ".join(q["sql"].split())[:130])
     print(f"after it, other threads (the outbox's sender): {len(other_sql)} SQL statements, {trips['other']} Redis "
@@ -163,11 +166,19 @@ def main() -> None:
     with psycopg.connect(f"{PG}/{DB_NAME}", autocommit=True) as pg:
         try:
             pg.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-            pg.execute("SELECT pg_stat_statements_reset()")
+            # This database's statements only: other sessions may be measuring theirs.
+            pg.execute("SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database WHERE datname = "
+                       "current_database()), 0)")
             stats = True
         except psycopg.Error as exc:
             print(f"pg_stat_statements unavailable ({exc.__class__.__name__}): no per-statement times")
             stats = False
+    if stats:  # planning time too, for this session only (a superuser's setting)
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SET pg_stat_statements.track_planning = on")
+        except Exception as exc:  # noqa: BLE001 - not a superuser: execution times only
+            print(f"no planning times ({exc.__class__.__name__})")
 
     if args.against_inline:
         against_inline(one, args.against_inline)
@@ -188,15 +199,16 @@ def main() -> None:
     if stats:
         with psycopg.connect(f"{PG}/{DB_NAME}", autocommit=True) as pg:
             rows = pg.execute(
-                "SELECT calls, total_exec_time, rows, query FROM pg_stat_statements "
+                "SELECT calls, total_exec_time, total_plan_time, query FROM pg_stat_statements "
                 "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = %s) ORDER BY total_exec_time DESC",
                 [DB_NAME]).fetchall()
-        total = sum(r[1] for r in rows if r[0] >= n)
-        print(f"\nPostgreSQL execution time per request: {total / n:.3f} ms (statements run at least once a request)")
-        print(f"{'calls/req':>9} {'ms/req':>8}  statement")
-        for calls, ms, _, query in rows:
+        total, planning = (sum(r[i] for r in rows if r[0] >= n) for i in (1, 2))
+        print(f"\nPostgreSQL per request (statements run at least once a request): execution {total / n:.3f} ms,"
+              f" planning {planning / n:.3f} ms")
+        print(f"{'calls/req':>9} {'exec ms':>8} {'plan ms':>8}  statement")
+        for calls, ms, plan, query in rows:
             if calls >= n // 2:
-                print(f"{calls / n:9.2f} {ms / n:8.3f}  {' '.join(query.split())[:150]}")
+                print(f"{calls / n:9.2f} {ms / n:8.3f} {plan / n:8.3f}  {' '.join(query.split())[:150]}")
 
     if args.cprofile:
         import cProfile
