@@ -20,6 +20,16 @@ def record_audit(*, actor: str, action: str, subject_type: str, subject_id: str,
     their digests go under the entry's MAC, so a later edit of one fails ``verify_audit``. A
     ``verdict_id`` in ``data`` brings that verdict in unless it is passed. One INSERT and no lock:
     the sealer (Celery beat, ``audit.tasks``) chains the entry within seconds of the commit."""
+    entry = new_audit_entry(actor=actor, action=action, subject_type=subject_type, subject_id=subject_id,
+                            data=data, records=records)
+    entry.save()
+    return entry
+
+
+def new_audit_entry(*, actor: str, action: str, subject_type: str, subject_id: str,
+                    data: dict[str, Any] | None = None, records: Iterable[models.Model] = ()) -> AuditEntry:
+    """The entry ``record_audit`` appends, MAC and all, not yet saved: for a caller that writes it
+    itself (the refund service, with its other writes in one round trip), in the same transaction."""
     rows = list(records)
     verdict_id = (data or {}).get("verdict_id")
     if verdict_id and not any(isinstance(row, Verdict) and row.pk == verdict_id for row in rows):
@@ -27,5 +37,4 @@ def record_audit(*, actor: str, action: str, subject_type: str, subject_id: str,
     entry = AuditEntry(created_at=timezone.now(), actor=actor, action=action, subject_type=subject_type,
                        subject_id=subject_id, data=data or {}, records=[record_of(row) for row in rows])
     entry.mac = entry_mac(entry)
-    entry.save()
     return entry

@@ -12,6 +12,7 @@ from django.db import connection
 from psycopg.types.json import Jsonb
 from django.utils import timezone
 
+from refundops import batching
 from refundops.models import IdempotencyRecord
 
 
@@ -62,9 +63,9 @@ _STORE_SQL = f"""UPDATE {IdempotencyRecord._meta.db_table} SET response_status =
 def store(scope: str, key: str, status: int, body: dict[str, Any]) -> None:
     """The first answer, in the transaction that claimed the key. On PostgreSQL the statement the
     ORM's update() writes, by hand: compiling it cost more Python than the claim and the store take
-    in PostgreSQL together (every POST stores one)."""
+    in PostgreSQL together (every POST stores one); in a batch (refundops.batching) it goes with
+    the writes before the commit."""
     if connection.vendor != "postgresql":
         IdempotencyRecord.objects.filter(scope=scope, key=key).update(response_status=status, response_body=body)
         return
-    with connection.cursor() as cursor:
-        cursor.execute(_STORE_SQL, [status, Jsonb(body), scope, key])
+    batching.defer(_STORE_SQL, [status, Jsonb(body), scope, key])

@@ -29,7 +29,7 @@ from django.utils import timezone
 from audit.ids import new_id
 from audit.services import record_audit
 from processors import signing
-from refundops import logs, merchant_http, outbox
+from refundops import batching, logs, merchant_http, outbox
 from refundops.answers import refund_json
 from refundops.models import MerchantEndpoint, Payment, Refund, WebhookDelivery
 from refundops.rows import Columns
@@ -74,19 +74,29 @@ def announce_refund(refund: Refund, *, previous: str | None,
 _ENDPOINT = Columns(MerchantEndpoint, "e")
 
 
-def active_endpoints(refund: Refund) -> list[MerchantEndpoint]:
+def active_endpoints(refund: Refund, *, deferred: bool = False) -> list[MerchantEndpoint]:
     """The active endpoints of the refund's payment's merchant, in one query (a subquery for the
     merchant, not another statement). Every refund reads them, and usually finds none: on
     PostgreSQL hand-written (refundops.rows), which spares the ~1 ms of Python compiling the ORM's
-    query takes; the ORM's query elsewhere (SQLite)."""
+    query takes; the ORM's query elsewhere (SQLite). ``deferred``: in a batch (refundops.batching)
+    the read rides with the next statement, and the list returned is filled when that is back."""
     if connection.vendor != "postgresql":
         merchant = Payment.objects.filter(pk=refund.payment_id).values("merchant_id")[:1]
         return list(MerchantEndpoint.objects.filter(active=True, merchant_id=Subquery(merchant)))
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {_ENDPOINT.sql} FROM {MerchantEndpoint._meta.db_table} e "
-                       f"WHERE e.active AND e.merchant_id = (SELECT merchant_id FROM {Payment._meta.db_table} "
-                       "WHERE id = %s) ORDER BY e.id", [refund.payment_id])
-        return [_ENDPOINT.make(row) for row in cursor.fetchall()]
+    endpoints: list[MerchantEndpoint] = []
+    sql = (f"SELECT {_ENDPOINT.sql} FROM {MerchantEndpoint._meta.db_table} e WHERE e.active AND e.merchant_id = "
+           f"(SELECT merchant_id FROM {Payment._meta.db_table} WHERE id = %s) ORDER BY e.id")
+
+    def read(cursor) -> None:
+        endpoints.extend(_ENDPOINT.make(row) for row in cursor.fetchall())
+
+    if deferred:
+        batching.defer(sql, [refund.payment_id], then=read)
+    else:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [refund.payment_id])
+            read(cursor)
+    return endpoints
 
 
 def deliver_overdue(*, older_than_seconds: float | None = None, limit: int = 500) -> int:

@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
@@ -41,6 +41,7 @@ from django.db import close_old_connections, connection, transaction
 from django.utils import timezone
 from psycopg.types.json import Jsonb
 
+from refundops import batching
 from refundops.models import OutboxMessage
 
 log = logging.getLogger(__name__)
@@ -72,35 +73,45 @@ def send_after_commit(task: str, kwargs: dict[str, Any], *, queue: str = "") -> 
 
 
 def send_each_after_commit(task: str, each_kwargs: list[dict[str, Any]], *, queue: str = "") -> list[OutboxMessage]:
-    """:func:`send_after_commit` for many runs of one task: one INSERT, one nudge."""
+    """:func:`send_after_commit` for many runs of one task: one INSERT, one nudge. In a batch
+    (refundops.batching) the INSERT rides with the next statement; the rows' ids, and so the
+    messages' pks, are known once it is back, before the commit."""
     if not each_kwargs:
         return []
-    messages = _insert([OutboxMessage(task=task, kwargs=kwargs, queue=queue) for kwargs in each_kwargs])
-    ids = [message.pk for message in messages]
+    messages = [OutboxMessage(task=task, kwargs=kwargs, queue=queue) for kwargs in each_kwargs]
+    _insert(messages, then=lambda: _nudge_after_commit([message.pk for message in messages]))
+    return messages
+
+
+def _nudge_after_commit(ids: list[int]) -> None:
     nudge = _pending_nudge()
     if nudge is not None:
         nudge.ids.extend(ids)
     else:
         transaction.on_commit(_Nudge(ids), robust=True)
-    return messages
 
 
-def _insert(messages: list[OutboxMessage]) -> list[OutboxMessage]:
-    """``bulk_create``, and on PostgreSQL the same INSERT … RETURNING id by hand: every approved
-    refund writes two rows, and compiling the ORM's insert cost several times its execution."""
+def _insert(messages: list[OutboxMessage], *, then: Callable[[], None]) -> None:
+    """``bulk_create``, then ``then()``; on PostgreSQL the same INSERT … RETURNING id by hand (every
+    approved refund writes two rows, and compiling the ORM's insert cost several times its
+    execution), deferred in a batch."""
     if connection.vendor != "postgresql":
-        return OutboxMessage.objects.bulk_create(messages)
+        OutboxMessage.objects.bulk_create(messages)
+        then()
+        return
     rows = ", ".join(["(%s, %s, %s, %s, NULL, %s, %s, %s)"] * len(messages))
     params: list[Any] = []
     for m in messages:
         params += [m.task, Jsonb(m.kwargs), m.queue, m.created_at, m.tries, m.last_error, m.next_try_at]
-    with connection.cursor() as cursor:
-        cursor.execute(f"INSERT INTO {_TABLE} (task, kwargs, queue, created_at, sent_at, tries, last_error, "
-                       f"next_try_at) VALUES {rows} RETURNING id", params)
+
+    def inserted(cursor) -> None:
         for message, (pk,) in zip(messages, cursor.fetchall(), strict=True):
             message.pk = pk
             message._state.adding = False
-    return messages
+        then()
+
+    batching.defer(f"INSERT INTO {_TABLE} (task, kwargs, queue, created_at, sent_at, tries, last_error, "
+                   f"next_try_at) VALUES {rows} RETURNING id", params, then=inserted)
 
 
 class _Nudge:

@@ -11,6 +11,8 @@ from typing import Any, Sequence
 from django.db import connection
 from django.db.models import Model
 
+from refundops import batching
+
 
 class Columns:
     """Every concrete column of ``model`` under the SQL alias ``alias``, and the instance a row's
@@ -51,22 +53,40 @@ def cache_related(instance: Model, field_name: str, related: Model) -> None:
     type(instance)._meta.get_field(field_name).set_cached_value(instance, related)
 
 
-_INSERTS: dict[tuple[type[Model], int], tuple[str, list]] = {}
+_INSERTS: dict[tuple[type[Model], int], tuple[str, list, bool]] = {}
 
 
 def insert(model: type[Model], objs: Sequence[Model]) -> None:
-    """``model.objects.bulk_create(objs)`` without reading back the ids it draws: one INSERT, each
-    value prepared as the ORM prepares it (``pre_save``, ``get_db_prep_save``), no signals (nor
-    does bulk_create send any). A plain VALUES list: bulk_create's arrays cost more to spell out."""
+    """``model.objects.bulk_create(objs)``: one INSERT, each value prepared as the ORM prepares it
+    (``pre_save``, ``get_db_prep_save``), no signals (nor does bulk_create send any). A plain VALUES
+    list: bulk_create's arrays cost more to spell out. In a batch (refundops.batching) it is sent with
+    the next statement; a key the database draws is read back then (RETURNING, on PostgreSQL)."""
     statement = _INSERTS.get((model, len(objs)))
     if statement is None:
         fields = [f for f in model._meta.concrete_fields if not f.generated and not (f.primary_key and f.db_returning)]
         quote = connection.ops.quote_name
         row = "(" + ", ".join(["%s"] * len(fields)) + ")"
+        returns = model._meta.pk.db_returning and connection.vendor == "postgresql"
         statement = _INSERTS[model, len(objs)] = (
             f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) VALUES "
-            + ", ".join([row] * len(objs)), fields)
-    sql, fields = statement
+            + ", ".join([row] * len(objs)) + (f" RETURNING {quote(model._meta.pk.column)}" if returns else ""),
+            fields, returns)
+    sql, fields, returns = statement
     params = [field.get_db_prep_save(field.pre_save(obj, True), connection) for obj in objs for field in fields]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+
+    def saved(cursor) -> None:
+        for obj, row in zip(objs, cursor.fetchall() if returns else [None] * len(objs), strict=True):
+            if row is not None:
+                obj.pk = row[0]
+            obj._state.adding, obj._state.db = False, connection.alias  # as Model.save leaves it
+
+    batching.defer(sql, params, then=saved)
+
+
+def save_new(obj: Model) -> None:
+    """``obj.save()`` for a new row with no signals to send: on PostgreSQL ``insert`` (so in a batch
+    it rides with the next statement), the ORM elsewhere."""
+    if connection.vendor == "postgresql":
+        insert(type(obj), [obj])
+    else:
+        obj.save(force_insert=True)

@@ -9,6 +9,7 @@ from django.test.utils import CaptureQueriesContext
 
 from audit.models import AuditEntry, Verdict
 from audit.chain import verify_chain
+from bench.wire import on_the_wire
 from refundops import outbox
 from refundops.celery import app as celery_app
 from refundops.models import IdempotencyRecord, OutboxMessage, Refund, RefundState
@@ -17,21 +18,25 @@ from tests.conftest import make_payment, post
 
 pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, as in production
 
-# The key (with the "all agents off" switch); BEGIN; the idempotency claim; the payment lock;
-# limits, hold rules and the drafts running in shadow (one statement, selectors.policy_in_force);
-# SAVEPOINT; the customer's, agent's, platform's and currency's locks (one statement,
-# refundops.locks); running totals with the kill switch; RELEASE; the refund, once in its final
-# state, with its two history rows (requested, then approved) in the same statement; the merchant
-# endpoints (read once for both events); the payment's sums; the verdict; the audit entry (no
-# lock: sealed after the commit); the stored answer; the two outbox rows (the breaker's count and
-# the submission); COMMIT. Nothing after the commit: the request hands both rows to the process's
-# outbox sender, which claims them and marks them sent (two statements) on its own connection, in
-# its own thread (refundops/outbox.py); under eager tasks they would still be the request's. The
-# submission is routed by the payment's processor, without a query.
+# Counted on the wire (bench/wire.py: Django's CaptureQueriesContext counts execute() calls, and one
+# may carry several statements), each line a round trip: the key (with the "all agents off"
+# switch); BEGIN with the idempotency claim; the payment lock; limits, hold rules and the drafts
+# running in shadow (one statement, selectors.policy_in_force); SAVEPOINT with the customer's,
+# agent's, platform's and currency's locks (one statement, refundops.locks); running totals with
+# the kill switch; RELEASE with the refund, once in its final state, and its two history rows
+# (requested, then approved) in one statement, the merchant endpoints (read once for both events)
+# and the payment's sums; the verdict, the outbox row for the breaker's count, the audit entry (no
+# lock: sealed after the commit), the outbox row for the submission and the stored answer (the
+# writes nothing reads before the commit, refundops.batching); COMMIT. Nothing after the commit:
+# the request hands both rows to the process's outbox sender, which claims them and marks them sent
+# (two statements) on its own connection, in its own thread (refundops/outbox.py); under eager
+# tasks they would still be the request's. The submission is routed by the payment's processor,
+# without a query.
+APPROVED_REFUND_ROUND_TRIPS = 9
 APPROVED_REFUND_STATEMENTS = 18
 
 
-def test_an_approved_refund_takes_18_statements_and_keeps_every_invariant(api, policy, monkeypatch):
+def test_an_approved_refund_takes_9_round_trips_of_18_statements_and_keeps_every_invariant(api, policy, monkeypatch):
     sent: list[dict] = []
     monkeypatch.setattr(submit_refund, "apply_async", lambda **options: sent.append(options))
     monkeypatch.setitem(celery_app.conf, "task_always_eager", False)  # as deployed: the breaker's count to Redis
@@ -39,11 +44,12 @@ def test_an_approved_refund_takes_18_statements_and_keeps_every_invariant(api, p
     post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 100, "reason": "duplicate"})
     payment = make_payment(amount=5_000)
 
-    with CaptureQueriesContext(connection) as queries:
+    with on_the_wire(connection) as wire:
         response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_250,
                                                  "reason": "customer_request", "agent": {"session_id": "s1"}})
 
-    assert len(queries) == APPROVED_REFUND_STATEMENTS, "\n".join(q["sql"][:100] for q in queries)
+    sent_sql = "\n".join(line[:160] for line in wire.lines if "\tQuery\t" in line)
+    assert (wire.round_trips, wire.statements) == (APPROVED_REFUND_ROUND_TRIPS, APPROVED_REFUND_STATEMENTS), sent_sql
     assert response.status_code == 201
     assert outbox.drain(timeout=30)
     body = response.json()

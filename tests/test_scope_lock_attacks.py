@@ -30,22 +30,23 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("
 
 class Paused:
     """Pauses the refund decision of one thread after it decided and wrote its refund, before its
-    commit (at its audit entry), until ``release``; the other threads pass through."""
+    commit (at its audit entry, made after the refund was sent), until ``release``; the other threads
+    pass through."""
 
     def __init__(self, monkeypatch) -> None:
         import refundops.services.refunds as refunds
 
         self.thread: threading.Thread | None = None
         self.decided, self.go = threading.Event(), threading.Event()
-        record_audit = refunds.record_audit
+        new_audit_entry = refunds.new_audit_entry
 
         def paused(**kwargs):
             if threading.current_thread() is self.thread:
                 self.decided.set()
                 assert self.go.wait(timeout=30)
-            return record_audit(**kwargs)
+            return new_audit_entry(**kwargs)
 
-        monkeypatch.setattr(refunds, "record_audit", paused)
+        monkeypatch.setattr(refunds, "new_audit_entry", paused)
 
     def start(self, work) -> tuple[threading.Thread, list]:
         barrier = threading.Event()  # the thread is known before it decides

@@ -15,8 +15,8 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from audit.models import Verdict
-from audit.services import record_audit
-from refundops import breaker, idempotency, outbound, outbox
+from audit.services import new_audit_entry
+from refundops import batching, breaker, idempotency, outbound, outbox
 from refundops.answers import Answer, error_answer, refund_json, suggested_message
 from refundops.callers import Caller
 from refundops.errors import ApiError
@@ -26,7 +26,7 @@ from refundops.models import (RESERVING_STATES, Customer, LedgerDiscrepancy, Pay
                               RefundState)
 from refundops.policy import (Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_input,
                               policy_version)
-from refundops.rows import Columns, cache_related, insert
+from refundops.rows import Columns, cache_related, insert, save_new
 from refundops.selectors import active_limits, active_rules, policy_in_force, running_totals, totals_and_pause
 from refundops.services.reconciliation import open_discrepancy_on
 
@@ -73,7 +73,10 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
         return error_answer("IDEMPOTENCY_KEY_REQUIRED", message, verdict_id=verdict.id)
     scope, digest = caller.idempotency_scope, idempotency.request_hash(operation, data)
     now = timezone.now()
-    with transaction.atomic():
+    # A batch (refundops.batching): BEGIN, the savepoint and its release ride with the statements
+    # after them, and the writes after the decision, which nothing reads before the commit, leave
+    # together at the end of the block; any error in them rolls the whole transaction back.
+    with transaction.atomic(), batching.batch():
         if not dry_run:  # a replay, too, learns its first answer here
             replay = idempotency.claim(scope, idempotency_key, operation, digest)
             if replay.record is not None:
@@ -191,7 +194,7 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
                       policy_version=policy_version(limits, rules))
     if dry_run:
         decision, totals, _ = decide()
-        _fill_verdict(verdict, decision, totals).save()
+        save_new(_fill_verdict(verdict, decision, totals))
         return _check_answer(payment, decision, verdict, totals, limits)
 
     def decide_under_locks(*, exclusive: bool) -> tuple[Decision, Totals]:
@@ -226,18 +229,18 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
     verdict.shadow = _shadow(shadows, decision, payment=locked, ask=refund_ask, limits=limits, rules=rules,
                              totals=totals, now=now, paused=verdict.policy_input["paused"], breaker_open=breaker_open,
                              ledger_mismatch=locked.ledger_mismatch)
-    _fill_verdict(verdict, decision, totals).save()  # the refund points at it; the FK is checked at commit
+    save_new(_fill_verdict(verdict, decision, totals))  # the refund points at it; the FK is checked at commit
     if refund is not None:
         if refund.status == RefundState.APPROVED and caller.is_agent:
             # Counted once committed, outside the lock; is_open above already fails closed without Redis.
             outbox.send_after_commit("refundops.tasks.count_agent_refund",
                                      {"amount_minor": refund.amount_minor, "currency": refund.currency,
                                       "at": now.isoformat()})
-        record_audit(actor=caller.label, action=f"refund.{refund.status}", subject_type="refund",
-                     subject_id=refund.pk, data={"verdict_id": verdict.id, "payment_id": payment.pk,
-                                                 "amount_minor": refund.amount_minor,
-                                                 "currency": refund.currency, "code": decision.code},
-                     records=[verdict])
+        save_new(new_audit_entry(actor=caller.label, action=f"refund.{refund.status}", subject_type="refund",
+                                 subject_id=refund.pk, data={"verdict_id": verdict.id, "payment_id": payment.pk,
+                                                             "amount_minor": refund.amount_minor,
+                                                             "currency": refund.currency, "code": decision.code},
+                                 records=[verdict]))
         if refund.status == RefundState.APPROVED:
             from refundops.tasks import enqueue_submission
             enqueue_submission(refund.pk, processor=payment.processor)
@@ -344,10 +347,12 @@ def _write_refund(*, caller: Caller, payment: Payment, ask: RefundInput, decisio
             del refund.skip_history_when_saving
         requested.created_at, requested.updated_at = refund.created_at, refund.updated_at
         _write_history(refund, history)
-    endpoints = outbound.active_endpoints(refund)  # read once for both events, in this transaction
+    # Read once for both events, in this transaction; in a batch the refund's INSERT and this read
+    # ride with the payment's sums, and the list is filled when that round trip is back.
+    endpoints = outbound.active_endpoints(refund, deferred=True)
+    sync_payment_amounts(payment)
     outbound.announce_refund(requested, previous=None, endpoints=endpoints)
     outbound.announce_refund(refund, previous=RefundState.REQUESTED, endpoints=endpoints)
-    sync_payment_amounts(payment)
     return refund
 
 
@@ -388,8 +393,7 @@ def _insert_with_history(refund: Refund, rows: list[tuple[Refund, str, str, date
         params += [history._meta.get_field(name).get_db_prep_save(getattr(state, name), connection)
                    for name in differ]
         params += [at, kind, user_id, reason]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+    batching.defer(sql, params)  # in a batch, with the next statement
     refund._state.adding, refund._state.db = False, connection.alias  # as Model.save leaves it
     refund._update_initial_state()  # as ConcurrentTransitionMixin.save: the state it was saved in
 

@@ -1,0 +1,169 @@
+"""refundops.batching: statements sent with the next one keep their order, their errors and their
+transaction; and a refund whose batched writes fail leaves nothing behind."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from django.db import DatabaseError, connection, transaction
+
+from audit.models import AuditEntry, Verdict
+from bench.wire import on_the_wire
+from refundops import batching, idempotency
+from refundops.models import IdempotencyRecord, OutboxMessage, Payment, Refund
+from refundops.services import refunds
+from tests.conftest import make_payment, post
+
+pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, as in production
+
+
+@pytest.fixture
+def scratch():
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE TABLE batching_scratch (id serial PRIMARY KEY, n int NOT NULL CHECK (n >= 0), t text)")
+    yield "batching_scratch"
+    with connection.cursor() as cursor:
+        cursor.execute("DROP TABLE batching_scratch")
+
+
+def count(table: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT count(*) FROM {table}")
+        return cursor.fetchone()[0]
+
+
+def test_deferred_statements_ride_with_the_next_one_in_order_and_read_their_returning(scratch):
+    ids: list[int] = []
+    with on_the_wire(connection) as wire, transaction.atomic(), batching.batch():
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s) RETURNING id", [1],
+                       then=lambda cursor: ids.append(cursor.fetchone()[0]))
+        batching.defer(f"INSERT INTO {scratch} (n, t) VALUES (%s, %s)", [5, "50% off, 'quoted'; and %s"])
+        assert ids == []  # not sent yet
+        with connection.cursor() as cursor:  # carries both, and sees them: the server runs them first
+            cursor.execute(f"SELECT count(*), sum(n), max(t) FROM {scratch} WHERE n >= %s", [0])
+            assert cursor.fetchone() == (2, 6, "50% off, 'quoted'; and %s")
+        assert len(ids) == 1
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [7])  # left for the end of the block
+    assert count(scratch) == 3
+    # BEGIN with the first two INSERTs and the SELECT; the third INSERT; COMMIT.
+    assert (wire.round_trips, wire.statements) == (3, 6), wire.lines
+
+
+def test_a_failing_deferred_statement_raises_and_rolls_the_transaction_back(scratch):
+    with pytest.raises(DatabaseError), transaction.atomic(), batching.batch():
+        with connection.cursor() as cursor:
+            cursor.execute(f"INSERT INTO {scratch} (n) VALUES (1)")
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [2])
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [-1])  # the CHECK refuses it
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [3])
+    assert count(scratch) == 0
+    # The connection is as Django left it: the next transaction, batched or not, works.
+    with transaction.atomic(), batching.batch():
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [4])
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(f"INSERT INTO {scratch} (n) VALUES (5)")
+    assert count(scratch) == 2
+
+
+def test_savepoints_ride_too_and_still_undo_what_was_done_inside_them(scratch):
+    with on_the_wire(connection) as wire, transaction.atomic(), batching.batch():
+        with connection.cursor() as cursor:
+            cursor.execute(f"INSERT INTO {scratch} (n) VALUES (1)")
+        try:
+            with transaction.atomic():  # SAVEPOINT rides with the INSERT below
+                with connection.cursor() as cursor:
+                    cursor.execute(f"INSERT INTO {scratch} (n) VALUES (2)")
+                raise LookupError
+        except LookupError:
+            pass
+        with transaction.atomic():  # undone above; this one is released with the next statement
+            with connection.cursor() as cursor:
+                cursor.execute(f"INSERT INTO {scratch} (n) VALUES (3)")
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT array_agg(n ORDER BY n) FROM {scratch}")
+            assert cursor.fetchone()[0] == [1, 3]
+    assert count(scratch) == 2
+    queries = [line for line in wire.lines if "\tQuery\t" in line]
+    assert any("SAVEPOINT" in q and "VALUES (2)" in q for q in queries), queries
+    assert any("RELEASE SAVEPOINT" in q and "array_agg" in q for q in queries), queries
+
+
+def test_no_savepoint_opens_while_deferred_writes_wait(scratch):
+    with pytest.raises(RuntimeError, match="savepoint"), transaction.atomic(), batching.batch():
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [1])
+        with transaction.atomic():
+            pass
+    assert count(scratch) == 0
+
+
+def test_outside_a_batch_a_deferred_statement_runs_at_once(scratch):
+    ids: list[int] = []
+    with transaction.atomic():
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s) RETURNING id", [1],
+                       then=lambda cursor: ids.append(cursor.fetchone()[0]))
+        assert len(ids) == 1
+    assert count(scratch) == 1
+
+
+def _too_long(field: str, size: int):
+    def spoil(obj):
+        setattr(obj, field, "x" * (size + 1))
+        return obj
+    return spoil
+
+
+@pytest.mark.parametrize("spoiled", ["verdict", "audit entry", "stored answer"])
+def test_an_error_in_one_batched_write_rolls_the_whole_refund_back(api, policy, monkeypatch, spoiled):
+    """The writes after the decision leave in one round trip; one of them failing (first, middle or
+    last of it) fails the request and leaves nothing of the refund: not the refund or its history,
+    the verdict, the audit entry, the outbox rows, the idempotency record, nor the payment's sums."""
+    post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 100, "reason": "duplicate"})
+    if spoiled == "verdict":
+        fill = refunds._fill_verdict
+        monkeypatch.setattr(refunds, "_fill_verdict", lambda *a: _too_long("policy_version", 40)(fill(*a)))
+    elif spoiled == "audit entry":
+        entry = refunds.new_audit_entry
+        monkeypatch.setattr(refunds, "new_audit_entry", lambda **kw: _too_long("actor", 200)(entry(**kw)))
+    else:
+        store = idempotency.store
+        monkeypatch.setattr(idempotency, "store", lambda scope, key, status, body: store(scope, key, -1, body))
+    payment = make_payment(amount=5_000)
+    outbox, audit = OutboxMessage.objects.count(), AuditEntry.objects.count()
+    api.raise_request_exception = False
+    key = uuid.uuid4().hex
+
+    with on_the_wire(connection) as wire:
+        response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_250,
+                                                 "reason": "customer_request"}, key=key)
+
+    assert response.status_code == 500
+    (error,) = [i for i, line in enumerate(wire.lines) if "\tErrorResponse\t" in line]
+    failed = [line for line in wire.lines[:error] if "\tQuery\t" in line][-1]
+    assert all(table in failed for table in (  # the batched writes, all in that trip
+        '"audit_verdict"', '"audit_auditentry"', "refundops_outboxmessage", "refundops_idempotencyrecord")), failed[:2000]
+    assert not Refund.objects.filter(payment_id=payment.pk).exists()
+    assert not Refund.history.filter(payment_id=payment.pk).exists()
+    assert not Verdict.objects.filter(payment_id=payment.pk).exists()
+    assert (OutboxMessage.objects.count(), AuditEntry.objects.count()) == (outbox, audit)
+    assert not IdempotencyRecord.objects.filter(key=key).exists()
+    assert Payment.objects.values_list("amount_reserved_minor", "amount_refunded_minor").get(pk=payment.pk) == (0, 0)
+
+    monkeypatch.undo()  # the same request again, on the same connection, now goes through
+    response = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_250,
+                                             "reason": "customer_request"}, key=key)
+    assert response.status_code == 201 and response.json()["deduplicated"] is False
+    assert Refund.objects.filter(payment_id=payment.pk).count() == 1
+
+
+def test_a_statement_that_never_left_leaves_the_transaction_to_psycopg(scratch):
+    """A carrier that fails before it is sent (a value psycopg cannot adapt) took BEGIN with it:
+    the statements after it still run inside the transaction, and roll back with it."""
+    with pytest.raises(LookupError), transaction.atomic(), batching.batch():
+        with pytest.raises(Exception, match="adapt"), connection.cursor() as cursor:
+            cursor.execute("SELECT %s", [object()])
+        with connection.cursor() as cursor:
+            cursor.execute(f"INSERT INTO {scratch} (n) VALUES (1)")
+        raise LookupError
+    assert count(scratch) == 0
