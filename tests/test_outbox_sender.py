@@ -266,3 +266,34 @@ def test_inside_a_celery_task_the_nudge_runs_before_the_task_returns():
     finally:
         _task_stack.pop()
     assert sent_names() == ["from-a-task"]
+
+
+POOLED_COMMITS = """
+import threading
+import refundops.asgi  # noqa: F401 - as uvicorn imports it: a psycopg pool, here of one connection
+from django.db import connection, transaction
+from refundops import outbox
+
+def one_request(i):  # as under ASGI: a thread of its own, its connection given back when it ends
+    with transaction.atomic():
+        outbox.send_after_commit("refundops.tasks.poll_refund", {"refund_id": f"pooled-{i}"}, queue="default")
+    connection.close()
+
+for i in range(4):
+    thread = threading.Thread(target=one_request, args=(i,))
+    thread.start()
+    thread.join()
+    assert outbox.drain(timeout=60)
+"""
+
+
+def test_under_the_pool_the_sender_gives_its_connection_back_after_each_batch():
+    """With a pool of one connection, a sender that kept it would leave the next request waiting
+    for the pool's timeout, and that request's row would never be written."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_POOL", "DATABASE_CONN"))}
+    env.update(DATABASE_URL=database_url(), DATABASE_POOL_MIN="1", DATABASE_POOL_MAX="1",
+               REDIS_URL=django_settings.REDIS_URL, REDIS_KEY_PREFIX=django_settings.REDIS_KEY_PREFIX,
+               CELERY_TASK_ALWAYS_EAGER="false")
+    subprocess.run([sys.executable, "-c", POOLED_COMMITS], cwd=ROOT, env=env, check=True, timeout=300)
+    assert sent_names() == [f"pooled-{i}" for i in range(4)]
+    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
