@@ -1,6 +1,7 @@
-"""Every way the platform is served keeps its database connections: a psycopg pool where each
-request runs in a thread of its own (ASGI, MCP over stdio), a persistent connection checked before
-reuse everywhere else (WSGI, Celery, commands). Never a connection per request (issue 11)."""
+"""Every way the platform is served keeps its database connections: a psycopg pool under ASGI
+(Django's requests on the threads each process keeps, one checkout a request; each MCP call in a
+thread of its own) and for MCP over stdio, a persistent connection checked before reuse everywhere
+else (WSGI, Celery, commands). Never a connection per request (issue 11)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,50 @@ def test_six_asgi_requests_each_in_a_thread_of_its_own_share_the_pools_connectio
                          text=True, check=True).stdout
     pids = json.loads(out.strip().splitlines()[-1])
     assert len(pids) == 6 and len(set(pids)) <= 2  # without the pool: six connections, six pids
+
+
+SERVED_REQUESTS = """
+import asyncio, json
+import refundops.asgi  # noqa: F401 - the ASGI entry point, as gunicorn's worker imports it
+from django.db import connections
+
+async def one():
+    asked, sent = False, []
+    async def receive():
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": "/readyz", "raw_path": b"/readyz", "query_string": b"", "root_path": "",
+             "server": ("localhost", 80), "client": ("127.0.0.1", 5000), "headers": [(b"host", b"localhost")]}
+    await refundops.asgi.application(scope, receive, send)
+    return sent[0]["status"]
+
+async def main():
+    return [await asyncio.create_task(one()) for _ in range(5)]
+
+statuses = asyncio.run(main())
+stats = connections["default"].pool.get_stats()
+print(json.dumps({"statuses": statuses, **stats}))
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_each_request_the_deployed_app_serves_checks_one_connection_out_of_the_pool_and_back():
+    """Five requests through refundops.asgi.application (each reads the database: /readyz): five
+    checkouts from the pool, every connection back in it after the last, none opened past those the
+    pool opened as it filled. (Django keeps a connection per thread; the handler's threads live on, so it is
+    request_finished, on the request's thread, that gives it back.)"""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_POOL", "DATABASE_CONN"))}
+    environment.update(DATABASE_URL=database_url(), DATABASE_POOL_MIN="1", DATABASE_POOL_MAX="2", DJANGO_DEBUG="true")
+    out = subprocess.run([sys.executable, "-c", SERVED_REQUESTS], cwd=ROOT, env=environment, capture_output=True,
+                         text=True, check=True).stdout
+    found = json.loads(out.strip().splitlines()[-1])
+    assert len(found["statuses"]) == 5
+    assert found["requests_num"] == 5  # one checkout a request
+    assert found["pool_available"] == found["pool_size"] <= 2  # each given back
+    assert found["connections_num"] <= 2  # opened while the pool filled, none after
