@@ -1,6 +1,8 @@
 """The one ASGI application: Django (API, admin, webhooks) and the MCP server at ``/mcp``, on the same
-host and port. Serve it with ``uvicorn refundops.asgi:application`` or gunicorn's UvicornWorker, with
-the ASGI lifespan on (their default, "auto"): the MCP session manager starts in it."""
+host and port. Serve it with ``gunicorn refundops.asgi:application -c gunicorn.conf.py`` (uvicorn
+workers: refundops.serving.UvicornWorker) or ``uvicorn refundops.asgi:application``, with the ASGI
+lifespan on (their default, "auto"): the MCP session manager starts in it. Django runs in
+refundops/asgi_handler.py's handler: one call to a thread a request, on threads each process keeps."""
 
 import os
 

@@ -18,7 +18,7 @@ from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
 from django.core.signals import request_finished
 from django.db import connections
-from django.http import HttpResponse
+from django.http import HttpResponse, StreamingHttpResponse
 from django.test import AsyncClient, override_settings
 from django.urls import path
 
@@ -90,16 +90,29 @@ def connection_probe(request):
     return HttpResponse("ok")
 
 
+def endless(request):
+    """A response streamed for as long as the client stays (as a CSV export of a long list)."""
+    async def chunks():
+        while True:
+            yield b"row\n"
+            await asyncio.sleep(0)
+    return StreamingHttpResponse(chunks())
+
+
 seen: list = []
-urlpatterns.append(path("db/", connection_probe, name="asgi-db-probe"))
+urlpatterns += [path("db/", connection_probe, name="asgi-db-probe"), path("endless/", endless, name="asgi-endless")]
+
+
+def scope_of(path: str) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "server": ("testserver", 80), "client": ("127.0.0.1", 5000), "headers": [(b"host", b"testserver")]}
 
 
 def asgi_get(app, path: str, *, times: int = 1) -> list[dict]:
     """``times`` GETs of ``path`` through ``app`` as uvicorn calls it (each in a task of its own), one
     after the other on one event loop; the messages each sent."""
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "server": ("testserver", 80), "client": ("127.0.0.1", 5000), "headers": [(b"host", b"testserver")]}
+    scope = scope_of(path)
     answers = []
 
     async def one() -> None:
@@ -213,3 +226,38 @@ def test_past_its_threads_a_worker_queues_requests_on_the_loop_in_order():
 
     most, order = asyncio.run(scenario())
     assert most == [2] and order == list(range(6))
+
+
+def test_a_streamed_response_stops_when_the_client_goes_and_finishes_on_its_thread():
+    """The handler sends a streamed response while it listens for the client: when it goes, the
+    stream stops and the response is closed (request_finished) on the request's thread."""
+    finished = []
+
+    def on_finished(sender, **kwargs):
+        finished.append(threading.current_thread().name)
+
+    async def one() -> list[dict]:
+        sent, received = [], asyncio.Event()
+
+        async def receive():
+            if not sent:
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await received.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if len(sent) == 3:  # the start and two chunks: then the client goes
+                received.set()
+
+        await asyncio.wait_for(DjangoHandler(threads=1)({**scope_of("/endless/")}, receive, send), timeout=10)
+        return sent
+
+    request_finished.connect(on_finished)
+    try:
+        with override_settings(MIDDLEWARE=ASGI_MIDDLEWARE, ROOT_URLCONF=__name__):
+            sent = asyncio.run(one())
+    finally:
+        request_finished.disconnect(on_finished)
+    assert sent[0]["status"] == 200 and len(sent) < 1000
+    assert len(finished) == 1 and finished[0].startswith("django-")
