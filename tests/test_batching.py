@@ -167,3 +167,26 @@ def test_a_statement_that_never_left_leaves_the_transaction_to_psycopg(scratch):
             cursor.execute(f"INSERT INTO {scratch} (n) VALUES (1)")
         raise LookupError
     assert count(scratch) == 0
+
+
+def test_a_commit_that_fails_with_begin_batched_raises_and_leaves_the_connection_as_django_expects():
+    """BEGIN rode with the first statement (psycopg in autocommit for the transaction): a COMMIT the
+    server refuses (a deferred foreign key) still raises, leaves nothing, and the connection is back
+    in Django's autocommit with psycopg agreeing, ready for the next transaction."""
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE TABLE batching_parent (id int PRIMARY KEY)")
+        cursor.execute("CREATE TABLE batching_child (parent int REFERENCES batching_parent DEFERRABLE INITIALLY DEFERRED)")
+    try:
+        with on_the_wire(connection) as wire, pytest.raises(DatabaseError), transaction.atomic(), batching.batch():
+            batching.defer("INSERT INTO batching_child (parent) VALUES (%s)", [1])  # no parent 1: refused at COMMIT
+        assert [line for line in wire.lines if "\tQuery\t" in line][-1].endswith('"COMMIT"')
+        assert "\tErrorResponse\t" in "\n".join(wire.lines)
+        assert count("batching_child") == 0
+        assert connection.get_autocommit() and connection.connection.autocommit
+        with transaction.atomic(), batching.batch():
+            batching.defer("INSERT INTO batching_parent (id) VALUES (%s)", [1])
+            batching.defer("INSERT INTO batching_child (parent) VALUES (%s)", [1])
+        assert count("batching_child") == 1
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TABLE batching_child, batching_parent")
