@@ -5,15 +5,20 @@ event, so what the caller saw while the broker had not taken the message yet can
 
 from __future__ import annotations
 
+import base64
+import json
 import multiprocessing
 import os
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
+import structlog
 from celery._state import _task_stack
 from django.conf import settings as django_settings
 from django.db import connection, connections, transaction
@@ -21,6 +26,7 @@ from kombu.transport import redis as kombu_redis
 
 from refundops import outbox
 from refundops.celery import app as celery_app
+from refundops.logs import REQUEST_ID_TASK_HEADER, bind_request_id
 from refundops.models import OutboxMessage
 from tests.conftest import make_payment, post
 from tests.test_connection_reuse import database_url
@@ -101,6 +107,40 @@ def test_the_api_answers_while_the_broker_has_not_taken_the_effects_and_they_go_
     assert queued("payments.sandbox") == [{"task": "refundops.tasks.submit_refund", "kwargs": {"refund_id": refund_id}}]
     assert [m["task"] for m in queued("default")] == ["refundops.tasks.count_agent_refund"]
     assert outbox.relay_unsent(older_than_seconds=0) == 0  # sent once: nothing left for the relay
+
+
+def request_ids_queued(queue: str) -> dict[str, str | None]:
+    """Each message waiting in ``queue``: its refund_id (or task) and the request id it carries."""
+    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    carried = {}
+    for raw in client.lrange(f"{django_settings.REDIS_KEY_PREFIX}{queue}", 0, -1):
+        message = json.loads(raw)
+        _, kwargs, _ = json.loads(base64.b64decode(message["body"]))
+        carried[kwargs.get("refund_id") or message["headers"]["task"]] = message["headers"].get(REQUEST_ID_TASK_HEADER)
+    return carried
+
+
+def test_each_effect_carries_the_request_id_of_the_request_that_committed_it(api, policy, held_broker):
+    """The worker's lines name the agent's request (tests/test_logs.py, end to end): the id bound
+    while the request ran rides each of its messages. Fails on the sender as it landed: it published
+    in its own thread, where no request id is bound, so every message went without one."""
+    payment = make_payment(amount=5_000)
+    with broker_at(django_settings.REDIS_URL):
+        response = api.post("/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_000, "reason": "duplicate"},
+                            format="json", HTTP_IDEMPOTENCY_KEY=uuid.uuid4().hex, HTTP_X_REQUEST_ID="req-api-1")
+        assert response.status_code == 201, response.content
+        assert held_broker.entered.wait(timeout=30)  # the sender is publishing the request's two
+        try:  # two commits of two other requests while it is busy: one batch, one id each
+            for name in ("a", "b"):
+                bind_request_id(f"req-{name}")
+                commit(name)
+        finally:
+            structlog.contextvars.clear_contextvars()
+        commit("no-request")  # nothing bound: a command's or the MCP stdio server's
+        held_broker.release()
+    assert request_ids_queued("payments.sandbox") == {response.json()["refund"]["id"]: "req-api-1"}
+    assert request_ids_queued("default") == {"refundops.tasks.count_agent_refund": "req-api-1",
+                                             "a": "req-a", "b": "req-b", "no-request": None}
 
 
 def test_commits_made_while_the_sender_is_busy_go_out_in_one_batch(held_broker, monkeypatch):
