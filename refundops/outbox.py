@@ -19,7 +19,8 @@ one row twice. A sender that dies between sending and marking the row sent lets 
 ``CLAIM_SECONDS``, and the row is sent again: delivery is at least once, and every task we send
 through here is safe to run twice (keyed gateway calls, idempotent deliveries and counts).
 
-Imports only models: services, approvals and ``outbound`` write here; ``tasks`` relays from here.
+Imports only models (and ``logs``, a leaf, for the request id a sent task carries): services,
+approvals and ``outbound`` write here; ``tasks`` relays from here.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
+import structlog
 from celery import current_app
 from celery._state import get_current_task
 from django.conf import settings
@@ -42,6 +44,7 @@ from django.utils import timezone
 from psycopg.types.json import Jsonb
 
 from refundops import batching
+from refundops.logs import current_request_id
 from refundops.models import OutboxMessage
 
 log = logging.getLogger(__name__)
@@ -148,7 +151,9 @@ def _nudge(message_ids: list[int]) -> None:
       does not hold a second database connection for a sender;
     - everywhere else (web workers, the MCP server, management commands): the sender. At exit the
       process gives it ``SENDER_EXIT_SECONDS`` to finish (a graceful shutdown sends what is
-      waiting); a process killed, or a sender that cannot keep up, leaves the rows to the relay."""
+      waiting); a process killed, or a sender that cannot keep up, leaves the rows to the relay.
+      The request id bound now goes along: the sender publishes each row under its own request's
+      id, as the inline nudge did (``logs._carry_request_id``), so the worker's lines name it."""
     if current_app.conf.task_always_eager or get_current_task() is not None:
         _send_now(message_ids)
         return
@@ -156,12 +161,12 @@ def _nudge(message_ids: list[int]) -> None:
     if sender is None:  # no new thread at interpreter shutdown
         _send_now(message_ids)
     else:
-        sender.put(message_ids)
+        sender.put(message_ids, current_request_id())
 
 
-def _send_now(message_ids: list[int]) -> None:
-    try:
-        send_claimed(_claim(ids=message_ids, now=timezone.now()), retry=False)  # one try: the relay retries
+def _send_now(message_ids: list[int], request_ids: dict[int, str] | None = None) -> None:
+    try:  # one try: the relay retries
+        send_claimed(_claim(ids=message_ids, now=timezone.now()), retry=False, request_ids=request_ids)
     except Exception:  # noqa: BLE001 - the caller's change stands; the relay sends it later
         log.exception("outbox: could not send %s after commit; the relay will", message_ids)
 
@@ -174,14 +179,14 @@ class _Sender:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.waiting: list[int] = []
+        self.waiting: list[tuple[int, str]] = []  # (row id, the committing request's id or "")
         self.busy = False  # a batch is being sent
         self.stopping = False
         self.full = False  # ids were left to the relay since the queue was last below its bound
         self.changed = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="outbox-sender", daemon=True)
 
-    def put(self, ids: list[int]) -> None:
+    def put(self, ids: list[int], request_id: str = "") -> None:
         with self.changed:
             if len(self.waiting) + len(ids) > SENDER_MAX_WAITING:
                 if not self.full:
@@ -189,7 +194,7 @@ class _Sender:
                 self.full = True
                 return
             self.full = False
-            self.waiting.extend(ids)
+            self.waiting.extend((message_id, request_id) for message_id in ids)
             self.changed.notify_all()
 
     def drain(self, timeout: float | None) -> bool:
@@ -224,7 +229,7 @@ class _Sender:
                 if batch is None:
                     connection.close()
                     continue
-                _send_now(batch)
+                _send_now([message_id for message_id, _ in batch], dict(batch))
                 # As after a request: a connection broken or past CONN_MAX_AGE is closed (under the
                 # pool, given back), the others checked before the next batch (CONN_HEALTH_CHECKS).
                 close_old_connections()
@@ -321,21 +326,24 @@ def _claim(*, now, ids: Iterable[int] | None = None, written_before=None, limit:
         return cursor.fetchall()
 
 
-def send_claimed(rows: list[tuple], *, retry: bool = True) -> int:
+def send_claimed(rows: list[tuple], *, retry: bool = True, request_ids: dict[int, str] | None = None) -> int:
     """Publish the claimed rows, each prepared on its own: one that fails never keeps the others
     from going. ``retry``: let kombu retry a broken connection (the relay may; a request's nudge
     does not). Without retries, in one round trip to the broker where it allows (kombu's publish
     batch: one Redis pipeline, where a refund's two messages cost two round trips and two Redis
     clients); a batch the broker then refuses frees every row in it for the relay. With retries,
-    one by one (a retry revives the connection, which kombu refuses under a batch)."""
+    one by one (a retry revives the connection, which kombu refuses under a batch). ``request_ids``:
+    the id of the request that committed each row, bound while it is published (the sender's)."""
     sent: list[int] = []
     failed: list[tuple[int, str, Exception]] = []
 
     def publish(message_id: int, task: str, kwargs: Any, queue: str, **options: Any) -> None:
+        request_id = request_ids.get(message_id) if request_ids else None
         try:
             if isinstance(kwargs, str):  # Django reads jsonb as text on a raw cursor
                 kwargs = json.loads(kwargs)
-            current_app.tasks[task].apply_async(kwargs=kwargs, queue=queue or None, retry=retry, **options)
+            with structlog.contextvars.bound_contextvars(request_id=request_id) if request_id else nullcontext():
+                current_app.tasks[task].apply_async(kwargs=kwargs, queue=queue or None, retry=retry, **options)
         except Exception as exc:  # noqa: BLE001 - a broker error, or a task this process lacks
             failed.append((message_id, task, exc))
         else:
