@@ -21,6 +21,7 @@ from django.db import connections
 from django.http import HttpResponse, StreamingHttpResponse
 from django.test import AsyncClient, override_settings
 from django.urls import path
+from django.views.decorators.csrf import csrf_exempt
 
 from refundops.asgi_handler import DjangoHandler, Threads
 from refundops.metrics import HTTP_REQUESTS
@@ -261,3 +262,104 @@ def test_a_streamed_response_stops_when_the_client_goes_and_finishes_on_its_thre
         request_finished.disconnect(on_finished)
     assert sent[0]["status"] == 200 and len(sent) < 1000
     assert len(finished) == 1 and finished[0].startswith("django-")
+
+
+# -- what a slow client holds: nothing of the handler's threads while its body or answer travels ----
+
+@csrf_exempt
+def echo(request):
+    return HttpResponse(request.body)
+
+
+urlpatterns.append(path("echo/", echo, name="asgi-echo"))
+
+
+def http_scope(method: str, path: str) -> dict:
+    return {**scope_of(path), "method": method,
+            "headers": [(b"host", b"testserver"), (b"content-type", b"application/json")]}
+
+
+async def answered(app, scope: dict, *, receive=None, send=None) -> list[dict]:
+    """One request through ``app``; the messages it sent. By default its body is empty and the
+    client reads the answer at once."""
+    sent: list[dict] = []
+    asked = False
+
+    async def whole_body():
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # the client stays
+
+    async def record(message):
+        sent.append(message)
+
+    await app(scope, receive or whole_body, send or record)
+    return sent
+
+
+def one_thread_while(slow_request) -> tuple[list[dict], list[dict]]:
+    """With one thread in the handler: ``slow_request(app, stalled, go_on)`` starts and stalls (sets
+    ``stalled``, waits for ``go_on``); meanwhile a quick GET must be answered. The answers of both."""
+    async def scenario():
+        app = DjangoHandler(threads=1)
+        stalled, go_on = asyncio.Event(), asyncio.Event()
+        slow = asyncio.create_task(slow_request(app, stalled, go_on))
+        await asyncio.wait_for(stalled.wait(), timeout=30)
+        try:  # only a guard against waiting for ever: the quick request needs no time of the slow one's
+            quick = await asyncio.wait_for(answered(app, http_scope("GET", "/probe/")), timeout=30)
+        except TimeoutError:
+            quick = []
+        assert not slow.done()  # the slow one is still stalled, holding what it holds
+        go_on.set()
+        return quick, await asyncio.wait_for(slow, timeout=30)
+
+    with override_settings(MIDDLEWARE=ASGI_MIDDLEWARE, ROOT_URLCONF=__name__):
+        return asyncio.run(scenario())
+
+
+def test_a_request_whose_body_is_still_coming_holds_none_of_the_handlers_threads():
+    """The body is read on the event loop before the request takes a thread: a slow upload (or a
+    client that sends half a body and waits) leaves the process's WEB_THREADS threads to the
+    requests that are ready. Fails before: the thread was leased first, so with WEB_THREADS slow
+    bodies a worker answered nothing else until they came."""
+    async def slow_upload(app, stalled, go_on):
+        parts = iter([b'{"half": ', b'"body"}'])
+
+        async def receive():
+            part = next(parts, None)
+            if part is None:
+                await asyncio.Event().wait()
+            if part.endswith(b"}"):
+                stalled.set()
+                await go_on.wait()
+            return {"type": "http.request", "body": part, "more_body": not part.endswith(b"}")}
+
+        return await answered(app, http_scope("POST", "/echo/"), receive=receive)
+
+    quick, slow = one_thread_while(slow_upload)
+    assert quick and quick[0]["status"] == 200
+    assert slow[0]["status"] == 200 and slow[1]["body"] == b'{"half": "body"}'
+
+
+def test_a_client_that_reads_its_answer_slowly_holds_none_of_the_handlers_threads():
+    """A response that is not streamed is whole when the view returns, and closed on its thread
+    (request_finished): it is sent from the loop after the thread is given back, so a client slow
+    to read it (uvicorn's send waits while the socket's buffer is full) keeps no other request
+    waiting. Fails before: the thread stayed leased until the last byte was sent."""
+    async def slow_reader(app, stalled, go_on):
+        sent: list[dict] = []
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                stalled.set()
+                await go_on.wait()  # as uvicorn's send does while the client does not read
+            sent.append(message)
+
+        await answered(app, http_scope("GET", "/probe/"), send=send)
+        return sent
+
+    quick, slow = one_thread_while(slow_reader)
+    assert quick and quick[0]["status"] == 200
+    assert slow[0]["status"] == 200 and slow[1]["body"] == b"ok"
