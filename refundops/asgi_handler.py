@@ -9,11 +9,12 @@ per request (the request's own, and one that joins it at the end). Here the chai
 ``respond()`` runs request_started, the chain, the view and, unless the response streams, its close
 (``request_finished``: the connection back to the pool) in one call.
 
-Each request leases one of ``threads`` long-lived threads for its whole life (a
-``ThreadSensitiveContext`` on it: a streamed CSV export still reads its cursor there). Past that
-many, requests wait on the loop for one in the order they came: a worker runs at most ``threads``
-requests' Python at once, rather than every request its connections bring, each in a thread of
-its own contending for the GIL and the pool."""
+Each request leases one of ``threads`` long-lived threads once its body is in, until its response
+is whole (a ``ThreadSensitiveContext`` on it: a streamed CSV export still reads its cursor there,
+and keeps the thread until it is sent); the body is read, and a whole response sent, on the loop.
+Past that many, requests wait on the loop for one in the order they came: a worker runs at most
+``threads`` requests' Python at once, rather than every request its connections bring, each in a
+thread of its own contending for the GIL and the pool."""
 
 from __future__ import annotations
 
@@ -75,38 +76,44 @@ class DjangoHandler(ASGIHandler):
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
-        executor = await self.threads.acquire()
-        try:
-            async with ThreadSensitiveContext(executor=executor):
-                await self.handle(scope, receive, send)
-        finally:
-            self.threads.release(executor)
+        await self.handle(scope, receive, send)
 
     async def handle(self, scope, receive, send) -> None:
+        # The body is read, and a whole answer sent, on the loop: a client slow to send or to read
+        # holds none of the threads (WEB_THREADS slow uploads would otherwise stop the process).
         try:
             body_file = await self.read_body(receive)
         except RequestAborted:
             return
         try:
-            response = await self.respond_on_thread(scope, body_file)
-            if not response.streaming:
-                await self.send_response(response, send)
-                return
-            # A streamed response reads (a CSV export: its cursor) as it is sent; stop if the client goes.
+            executor = await self.threads.acquire()
             try:
-                sending = asyncio.create_task(self.send_response(response, send))
-                listening = asyncio.create_task(self.listen_for_disconnect(receive))
-                await asyncio.wait([sending, listening], return_when=asyncio.FIRST_COMPLETED)
-                for task in (listening, sending):
-                    task.cancel()
-                    try:
-                        await task
-                    except (asyncio.CancelledError, RequestAborted):
-                        pass
+                async with ThreadSensitiveContext(executor=executor):
+                    response = await self.respond_on_thread(scope, body_file)
+                    if response.streaming:
+                        await self.stream(response, receive, send)
+                        return
             finally:
-                await sync_to_async(response.close, thread_sensitive=True)()
+                self.threads.release(executor)
+            await self.send_response(response, send)  # whole, and closed on its thread already
         finally:
             body_file.close()
+
+    async def stream(self, response, receive, send) -> None:
+        """A streamed response reads (a CSV export: its cursor) on the request's thread as it is
+        sent, so it keeps the thread until it is sent or the client goes; then it is closed there."""
+        try:
+            sending = asyncio.create_task(self.send_response(response, send))
+            listening = asyncio.create_task(self.listen_for_disconnect(receive))
+            await asyncio.wait([sending, listening], return_when=asyncio.FIRST_COMPLETED)
+            for task in (listening, sending):
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, RequestAborted):
+                    pass
+        finally:
+            await sync_to_async(response.close, thread_sensitive=True)()
 
     def respond(self, scope, body_file):
         """The request's sync part, on its thread: request_started, the request, the middleware chain
