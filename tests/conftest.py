@@ -277,3 +277,10 @@ def served(django_db_setup) -> Iterator[str]:
     server.should_exit = True
     thread.join(timeout=10)
     sock.close()
+    # Django's requests ran on threads the app's handler keeps, each with its own connection (no pool
+    # in a test process): close them, or the test database cannot be dropped after the run.
+    import refundops.asgi
+    from django.db import connections
+
+    for executor in refundops.asgi.django_app.threads.idle:
+        executor.submit(connections.close_all).result(timeout=10)
