@@ -98,6 +98,21 @@ def test_no_savepoint_opens_while_deferred_writes_wait(scratch):
     assert count(scratch) == 0
 
 
+def test_a_carrier_refused_before_it_leaves_takes_nothing_deferred_with_it(scratch):
+    """A statement that fails before it is sent (a value psycopg cannot adapt) raises Django's error,
+    as it would unbatched, and leaves what waited for it waiting: caught, the deferred INSERT and
+    BEGIN still reach the server with the next statement and commit with the transaction. (Before:
+    psycopg's own error, and the queue was dropped, so the block committed without that INSERT.)"""
+    with transaction.atomic(), batching.batch():
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [1])
+        with pytest.raises(DatabaseError, match="adapt"), connection.cursor() as cursor:
+            cursor.execute("SELECT %s", [object()])
+        with pytest.raises(DatabaseError, match="adapt"):
+            batching.defer(f"INSERT INTO {scratch} (n, t) VALUES (%s, %s)", [5, object()])
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [2])
+    assert count(scratch) == 2
+
+
 def test_outside_a_batch_a_deferred_statement_runs_at_once(scratch):
     ids: list[int] = []
     with transaction.atomic():
@@ -157,8 +172,8 @@ def test_an_error_in_one_batched_write_rolls_the_whole_refund_back(api, policy, 
     assert Refund.objects.filter(payment_id=payment.pk).count() == 1
 
 
-def test_a_statement_that_never_left_leaves_the_transaction_to_psycopg(scratch):
-    """A carrier that fails before it is sent (a value psycopg cannot adapt) took BEGIN with it:
+def test_a_statement_that_never_left_leaves_the_statements_after_it_in_the_transaction(scratch):
+    """A carrier that fails before it is sent (a value psycopg cannot adapt) leaves BEGIN waiting:
     the statements after it still run inside the transaction, and roll back with it."""
     with pytest.raises(LookupError), transaction.atomic(), batching.batch():
         with pytest.raises(Exception, match="adapt"), connection.cursor() as cursor:
