@@ -46,8 +46,16 @@ class _Batch:
         self.begins = False  # BEGIN is queued, psycopg in autocommit for it
 
     def add(self, sql: str, params: Any = None, then: Then | None = None, *, control: bool = False) -> None:
-        self.queue.append((self.binder.mogrify(sql, params) if params is not None else sql, then))
+        self.queue.append((self._bind(self.binder, sql, params), then))
         self.deferred += not control
+
+    def _bind(self, cursor, sql: str, params: Any) -> str:
+        """``sql`` with ``params`` merged in (psycopg adapts each value), or raising Django's error
+        for a value it cannot adapt, as execute() would."""
+        if params is None:
+            return sql
+        with self.connection.wrap_database_errors:
+            return cursor.mogrify(sql, params)
 
     # The execute wrapper (Django's database instrumentation): the queue rides with every statement.
     def __call__(self, execute, sql, params, many, context):
@@ -57,10 +65,11 @@ class _Batch:
         if many or isinstance(cursor, psycopg.ServerCursor):  # one statement only: the queue goes first
             self.send()
             return execute(sql, params, many, context)
+        # Bound here as psycopg would, so that the queue is not parsed again; before the queue is
+        # taken, so that a value refused leaves it (and BEGIN) waiting for the next statement.
+        sql = self._bind(cursor, sql, params)
         with self._sending() as (queue, prefix):
-            if params is not None:  # bound here as psycopg would, so that the queue is not parsed again
-                sql, params = cursor.mogrify(sql, params), None
-            result = execute(prefix + sql, params, many, context)
+            result = execute(prefix + sql, None, many, context)
         self._answer(cursor, queue)
         return result
 
