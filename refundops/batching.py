@@ -2,7 +2,7 @@
 
 Inside ``batch()`` (opened right inside a transaction's outermost ``atomic()``) a statement given to
 ``defer`` is not sent at once: it goes ahead of the next statement this connection executes, in
-the same round trip, or at the end of the block, before the commit. The transaction's BEGIN, and
+the same round trip, or at the end of the block, with the COMMIT. The transaction's BEGIN, and
 Django's SAVEPOINT and RELEASE SAVEPOINT, wait the same way. psycopg's client-side binding cursor
 (Django's default) sends several statements separated by semicolons as one query and keeps a
 result for each (``nextset()``); a deferred statement's ``then`` reads its result (a RETURNING)
@@ -17,8 +17,12 @@ before the ``atomic()`` around it, with nothing in between that catches database
 
 BEGIN: psycopg sends it in a round trip of its own before a transaction's first statement. In a
 batch it rides with that statement instead: psycopg is set to autocommit for the transaction (it
-then sends no BEGIN of its own) while the server holds it open; COMMIT and ROLLBACK are still sent
-when Django asks, since psycopg looks at the server's transaction status for those.
+then sends no BEGIN of its own) while the server holds it open; ROLLBACK is still sent when Django
+asks, since psycopg looks at the server's transaction status. COMMIT: the block ends right before
+the outermost ``atomic()`` commits, so the COMMIT leaves with what waits, and the commit Django then
+asks psycopg for finds the transaction ended (psycopg does nothing then). Not when Django is to roll
+back (``needs_rollback``), nor inside an outer transaction. A COMMIT the server refuses (a deferred
+constraint) raises from the end of the block, and ``atomic()`` rolls back as when its own fails.
 
 Elsewhere (SQLite, PostgreSQL with server-side binding, outside a batch) ``defer`` executes at once.
 """
@@ -110,17 +114,19 @@ class _Batch:
 
 @contextmanager
 def batch() -> Iterator[None]:
-    """Defer what ``defer`` is given, and the transaction's BEGIN and savepoints, until the next
-    statement or the end of the block. Open it as the first thing inside the outermost atomic()."""
+    """Defer what ``defer`` is given, and the transaction's BEGIN, savepoints and COMMIT, until the
+    next statement or the end of the block. Open it as the last context of the outermost atomic()
+    (``with transaction.atomic(), batch():``), so that nothing runs between its end and the commit."""
     connection = transaction.get_connection()
     if (connection.vendor != "postgresql" or connection.features.uses_server_side_binding
             or not connection.in_atomic_block or getattr(connection, "refundops_batch", None) is not None):
         yield
         return
     connection.ensure_connection()
+    outermost = len(connection.atomic_blocks) == 1 and not connection.savepoint_ids
     current = _Batch(connection)
     raw = current.raw
-    if (raw.info.transaction_status == TransactionStatus.IDLE and len(connection.atomic_blocks) == 1
+    if (raw.info.transaction_status == TransactionStatus.IDLE and outermost
             and raw.isolation_level is None and raw.read_only is None and raw.deferrable is None):
         raw.autocommit = True  # psycopg sends no BEGIN: the first statement carries it
         current.add("BEGIN", control=True)
@@ -130,7 +136,14 @@ def batch() -> Iterator[None]:
     try:
         with connection.execute_wrapper(current):
             yield
-            current.send()
+            if connection.needs_rollback or connection.closed_in_transaction:
+                pass  # atomic() rolls back: nothing to send
+            elif current.begins and len(current.queue) == 1:
+                pass  # not a statement in the transaction: nothing to commit
+            else:
+                if outermost:  # atomic() commits next: the COMMIT rides too, and psycopg's finds nothing to do
+                    current.add("COMMIT", control=True)
+                current.send()
     finally:
         del connection.refundops_batch, connection._savepoint, connection._savepoint_commit
         current.binder.close()

@@ -46,8 +46,8 @@ def test_deferred_statements_ride_with_the_next_one_in_order_and_read_their_retu
         assert len(ids) == 1
         batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [7])  # left for the end of the block
     assert count(scratch) == 3
-    # BEGIN with the first two INSERTs and the SELECT; the third INSERT; COMMIT.
-    assert (wire.round_trips, wire.statements) == (3, 6), wire.lines
+    # BEGIN with the first two INSERTs and the SELECT; the third INSERT with COMMIT.
+    assert (wire.round_trips, wire.statements) == (2, 6), wire.lines
 
 
 def test_a_failing_deferred_statement_raises_and_rolls_the_transaction_back(scratch):
@@ -184,17 +184,18 @@ def test_a_statement_that_never_left_leaves_the_statements_after_it_in_the_trans
     assert count(scratch) == 0
 
 
-def test_a_commit_that_fails_with_begin_batched_raises_and_leaves_the_connection_as_django_expects():
-    """BEGIN rode with the first statement (psycopg in autocommit for the transaction): a COMMIT the
-    server refuses (a deferred foreign key) still raises, leaves nothing, and the connection is back
-    in Django's autocommit with psycopg agreeing, ready for the next transaction."""
+def test_a_batched_commit_the_server_refuses_raises_and_leaves_the_connection_as_django_expects():
+    """BEGIN rode with the first statement (psycopg in autocommit for the transaction) and COMMIT with
+    the last: a COMMIT the server refuses (a deferred foreign key) still raises, leaves nothing, and
+    the connection is back in Django's autocommit with psycopg agreeing, ready for the next one."""
     with connection.cursor() as cursor:
         cursor.execute("CREATE TABLE batching_parent (id int PRIMARY KEY)")
         cursor.execute("CREATE TABLE batching_child (parent int REFERENCES batching_parent DEFERRABLE INITIALLY DEFERRED)")
     try:
         with on_the_wire(connection) as wire, pytest.raises(DatabaseError), transaction.atomic(), batching.batch():
             batching.defer("INSERT INTO batching_child (parent) VALUES (%s)", [1])  # no parent 1: refused at COMMIT
-        assert [line for line in wire.lines if "\tQuery\t" in line][-1].endswith('"COMMIT"')
+        last = [line for line in wire.lines if "\tQuery\t" in line][-1]
+        assert "INSERT INTO batching_child" in last and last.endswith('COMMIT"'), last
         assert "\tErrorResponse\t" in "\n".join(wire.lines)
         assert count("batching_child") == 0
         assert connection.get_autocommit() and connection.connection.autocommit
@@ -205,3 +206,17 @@ def test_a_commit_that_fails_with_begin_batched_raises_and_leaves_the_connection
     finally:
         with connection.cursor() as cursor:
             cursor.execute("DROP TABLE batching_child, batching_parent")
+
+
+def test_no_commit_rides_when_django_is_to_roll_back_or_inside_an_outer_transaction(scratch):
+    with transaction.atomic(), batching.batch():
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [1])
+        transaction.set_rollback(True)  # as after an error caught in a block Django could not undo
+    assert count(scratch) == 0
+    with on_the_wire(connection) as wire, transaction.atomic():
+        with transaction.atomic(), batching.batch():  # in a savepoint: the outer block commits
+            batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [2])
+        queries = [line for line in wire.lines if "\tQuery\t" in line]
+        assert not any("COMMIT" in q for q in queries), queries
+        transaction.set_rollback(True)
+    assert count(scratch) == 0

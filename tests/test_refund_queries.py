@@ -27,16 +27,16 @@ pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, a
 # (requested, then approved) in one statement, the merchant endpoints (read once for both events)
 # and the payment's sums; the verdict, the outbox row for the breaker's count, the audit entry (no
 # lock: sealed after the commit), the outbox row for the submission and the stored answer (the
-# writes nothing reads before the commit, refundops.batching); COMMIT. Nothing after the commit:
+# writes nothing reads before the commit, refundops.batching) with COMMIT. Nothing after the commit:
 # the request hands both rows to the process's outbox sender, which claims them and marks them sent
 # (two statements) on its own connection, in its own thread (refundops/outbox.py); under eager
 # tasks they would still be the request's. The submission is routed by the payment's processor,
 # without a query.
-APPROVED_REFUND_ROUND_TRIPS = 9
+APPROVED_REFUND_ROUND_TRIPS = 8
 APPROVED_REFUND_STATEMENTS = 18
 
 
-def test_an_approved_refund_takes_9_round_trips_of_18_statements_and_keeps_every_invariant(api, policy, monkeypatch):
+def test_an_approved_refund_takes_8_round_trips_of_18_statements_and_keeps_every_invariant(api, policy, monkeypatch):
     sent: list[dict] = []
     monkeypatch.setattr(submit_refund, "apply_async", lambda **options: sent.append(options))
     monkeypatch.setitem(celery_app.conf, "task_always_eager", False)  # as deployed: the breaker's count to Redis
