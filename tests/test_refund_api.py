@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from audit.models import Verdict
@@ -126,6 +128,27 @@ def test_get_refund_and_payment(api, policy):
     lookup = api.get(f"/api/v1/payments/{payment.pk}/").json()
     assert lookup["amount_refundable"] == 700 and lookup["method"]["last4"] == "4242"
     assert api.get("/api/v1/refunds/rf_missing").json()["error"]["code"] == "REFUND_NOT_FOUND"
+
+
+@pytest.mark.parametrize("text", ["a\\ud800b", "\\udfff", "note \\ud83d"])
+def test_an_unpaired_surrogate_is_a_validation_error_not_a_500_without_a_verdict(api, agent_key, policy, text):
+    """JSON's \\uXXXX escapes spell a lone surrogate, which UTF-8 (so PostgreSQL) cannot hold: refused
+    like a NUL, by the API's parser and by the service (the MCP and admin faces), with a verdict.
+    Fails before: a 500 when the first row was encoded, and no verdict."""
+    from refundops.callers import Caller
+    from refundops.services.refunds import request_refund
+
+    payment = make_payment()
+    raw = '{"transaction_id": "%s", "amount": 100, "reason": "duplicate", "agent": {"reasoning": "%s"}}' % (
+        payment.pk, text)
+    response = api.post("/api/v1/refunds", data=raw, content_type="application/json", HTTP_IDEMPOTENCY_KEY="k-s")
+    assert response.status_code == 400 and response.json()["error"]["code"] == "VALIDATION_ERROR"
+    answer = request_refund(caller=Caller.for_key(agent_key[0]), idempotency_key="k-s2",
+                            data={"transaction_id": payment.pk, "reason": "duplicate",
+                                  "note": json.loads(f'"{text}"')})
+    assert answer.status == 400 and answer.code == "VALIDATION_ERROR"
+    assert Verdict.objects.filter(pk=answer.body["error"]["verdict_id"], code="VALIDATION_ERROR").exists()
+    assert not Refund.objects.exists() and not IdempotencyRecord.objects.exists()
 
 
 def test_nul_characters_are_refused_by_the_service_for_every_face(agent_key, policy):
