@@ -54,10 +54,14 @@ def load_json_body(raw: bytes | str, *, max_bytes: int = MAX_BODY_BYTES) -> Any:
     return bodies.load_json_body(raw, max_bytes=max_bytes, max_depth=MAX_JSON_DEPTH)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def has_nul(data: Any) -> bool:
-    """PostgreSQL text and JSON cannot hold U+0000: such a body is refused, never stored."""
+    """PostgreSQL text and JSON cannot hold U+0000, nor an unpaired surrogate (JSON's ``\\ud800``
+    escapes spell one; UTF-8 cannot encode it): such a body is refused, never stored."""
     if isinstance(data, str):
-        return "\x00" in data
+        return "\x00" in data or (not data.isascii() and _SURROGATE.search(data) is not None)
     if isinstance(data, Mapping):
         return any(has_nul(k) or has_nul(v) for k, v in data.items())
     if isinstance(data, list):

@@ -48,7 +48,7 @@ class JSONBodyParser(JSONParser):
         except ValueError as exc:
             raise ParseError(f"JSON parse error - {exc}") from None
         if has_nul(data):
-            raise ParseError("text must not contain NUL (\\u0000) characters")
+            raise ParseError("text must not contain NUL (\\u0000) characters or unpaired surrogates (\\ud800-\\udfff)")
         return data
 
 

@@ -99,7 +99,7 @@ def guarded_operation(*, caller: Caller, operation: str, data: Any, idempotency_
     ``settle_replay``: for a first answer that was not final (an outcome unknown), the answer now,
     once settled; it replaces the stored one, so the retry learns what happened."""
     if has_nul(data) or has_nul(dict(path)) or has_nul(idempotency_key):
-        message = "body: text must not contain NUL (\\u0000) characters"
+        message = "body: text must not contain NUL (\\u0000) characters or unpaired surrogates (\\ud800-\\udfff)"
         base = verdict_base(caller=caller, operation=operation, data={}, idempotency_key="", path={})
         return refuse(base, "VALIDATION_ERROR", message, field="body")
     base = verdict_base(caller=caller, operation=operation, data=data, idempotency_key=idempotency_key,

@@ -53,7 +53,7 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
             "request": for_the_record(data if isinstance(data, dict) else {"body": data}),
             **caller.verdict_fields()}
     if has_nul(data) or has_nul(idempotency_key):
-        message = "body: text must not contain NUL (\\u0000) characters"
+        message = "body: text must not contain NUL (\\u0000) characters or unpaired surrogates (\\ud800-\\udfff)"
         verdict = Verdict.objects.create(**{**base, "request": {}, "idempotency_key": ""},
                                          outcome=Verdict.Outcome.DENIED, code="VALIDATION_ERROR", message=message)
         return error_answer("VALIDATION_ERROR", message, verdict_id=verdict.id, field="body")
