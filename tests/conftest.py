@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import threading
 import time
@@ -39,6 +40,7 @@ _seq = itertools.count(1)
 
 
 def pytest_configure(config):
+    _a_redis_prefix_per_worker()
     settings.CELERY_TASK_ALWAYS_EAGER = True
     # Merchant receivers in tests listen on 127.0.0.1; tests/test_merchant_calls.py turns this off.
     settings.MERCHANT_WEBHOOK_ALLOW_PRIVATE = True
@@ -46,6 +48,21 @@ def pytest_configure(config):
     # ran for every user made with a password and every sign-in. Subprocesses keep the real one.
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     _flush_past_the_audit_triggers()
+
+
+def _a_redis_prefix_per_worker() -> None:
+    """Under pytest-xdist (scripts/test runs workers) each worker process has a test database of its
+    own (pytest-django names it ``…_gw0``, ``…_gw1``) and here a Redis key prefix of its own, under
+    the run's: one worker's clean-up (``_clean_redis``), rate-limit windows, breakers and Celery
+    queues never touch another's. Subprocesses a test starts inherit it with the environment."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    prefix = f"{settings.REDIS_KEY_PREFIX}{worker}:"
+    settings.REDIS_KEY_PREFIX = os.environ["REDIS_KEY_PREFIX"] = prefix
+    options = getattr(settings, "CELERY_BROKER_TRANSPORT_OPTIONS", {})
+    if "global_keyprefix" in options:  # the same dict Celery's configuration reads: its queues too
+        options["global_keyprefix"] = prefix
 
 
 # A table this large after a transactional test is truncated: deleting its rows one by one would cost
@@ -325,8 +342,22 @@ def served(django_db_setup) -> Iterator[str]:
     sock.close()
     # Django's requests ran on threads the app's handler keeps, each with its own connection (no pool
     # in a test process): close them, or the test database cannot be dropped after the run.
+    _close_served_threads_connections()
+
+
+def _close_served_threads_connections() -> None:
     import refundops.asgi
     from django.db import connections
 
     for executor in refundops.asgi.django_app.threads.idle:
         executor.submit(connections.close_all).result(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def _served_threads_let_go(request):
+    """Also after each test that used ``served``: the connections its requests left on the handler's
+    kept threads are closed, so the next test, whichever a worker runs next, starts without them
+    (tests/test_mcp_http.py counts the test database's connections after its own calls)."""
+    yield
+    if "served" in request.fixturenames:
+        _close_served_threads_connections()
