@@ -117,20 +117,7 @@ def asgi_get(app, path: str, *, times: int = 1) -> list[dict]:
     answers = []
 
     async def one() -> None:
-        asked, sent = False, []
-
-        async def receive():
-            nonlocal asked
-            if not asked:
-                asked = True
-                return {"type": "http.request", "body": b"", "more_body": False}
-            await asyncio.Event().wait()  # the client stays
-
-        async def send(message):
-            sent.append(message)
-
-        await app(dict(scope), receive, send)
-        answers.append(sent)
+        answers.append(await answered(app, dict(scope)))
 
     async def all_of_them() -> None:
         for _ in range(times):
