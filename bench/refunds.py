@@ -253,13 +253,13 @@ def main() -> None:
     parser.add_argument("--wrk-threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-round", type=int, default=None,
-                        help="payments per client and round (default: enough for 1,200 req/s)")
+                        help="payments per client and round (default: enough for 2,500 req/s)")
     parser.add_argument("--server", choices=("wsgi", "asgi"), default="wsgi")
     parser.add_argument("--json", action="store_true", help="print one JSON object, nothing else on stdout")
     args = parser.parse_args()
     out = sys.stderr if args.json else sys.stdout
     if args.per_round is None:
-        args.per_round = max(400, int(1200 * max(args.seconds, args.warmup) / args.clients))
+        args.per_round = max(400, int(2500 * max(args.seconds, args.warmup) / args.clients))
 
     recreate_database()
     # One slice of payments per round, and one more for each server's warm-up.
