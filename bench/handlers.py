@@ -19,12 +19,38 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings_full")
 PATH = "/healthz"
+
+
+@contextmanager
+def counted_crossings() -> Iterator[dict[str, int]]:
+    """While open, count the calls from the event loop to a thread (asgiref's SyncToAsync) and the
+    threads started, in the dict it yields (also tests/test_asgi.py's measure)."""
+    from asgiref.sync import SyncToAsync
+
+    counts = {"crossings": 0, "threads": 0}
+    call, start = SyncToAsync.__call__, threading.Thread.start
+
+    async def counted_call(self, *args, **kwargs):
+        counts["crossings"] += 1
+        return await call(self, *args, **kwargs)
+
+    def counted_start(self, *args, **kwargs):
+        counts["threads"] += 1
+        return start(self, *args, **kwargs)
+
+    SyncToAsync.__call__, threading.Thread.start = counted_call, counted_start
+    try:
+        yield counts
+    finally:
+        SyncToAsync.__call__, threading.Thread.start = call, start
 
 
 def asgi_requests(app, n: int) -> None:
@@ -78,7 +104,6 @@ def main() -> None:
     import django
 
     django.setup(set_prefix=False)
-    from asgiref.sync import SyncToAsync
     from django.conf import settings
     from django.core.handlers.asgi import ASGIHandler
     from django.core.handlers.wsgi import WSGIHandler
@@ -89,31 +114,20 @@ def main() -> None:
         settings.MIDDLEWARE.remove("whitenoise.middleware.WhiteNoiseMiddleware")  # as under refundops.asgi
     handlers = {"wsgi": (WSGIHandler, wsgi_requests), "django": (ASGIHandler, asgi_requests),
                 "ours": (lambda: DjangoHandler(threads=2), asgi_requests)}
-    counts = {"crossings": 0, "threads": 0}
-    call, start = SyncToAsync.__call__, threading.Thread.start
-
-    async def counted_call(self, *a, **kw):
-        counts["crossings"] += 1
-        return await call(self, *a, **kw)
-
-    def counted_start(self, *a, **kw):
-        counts["threads"] += 1
-        return start(self, *a, **kw)
-
-    SyncToAsync.__call__, threading.Thread.start = counted_call, counted_start
-    for _ in range(args.rounds):
-        for name in args.handlers.split(","):
-            make, drive = handlers[name]
-            app = make()
-            drive(app, 50)  # warm
-            counts.update(crossings=0, threads=0)
-            cpu, wall = time.process_time(), time.perf_counter()
-            drive(app, args.requests)
-            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-            n = args.requests
-            print(f"{name:7} CPU {1e6 * cpu / n:6.0f} µs  wall {1e6 * wall / n:6.0f} µs a request; "
-                  f"loop->thread calls {counts['crossings'] / n:4.1f}, threads started {counts['threads'] / n:4.2f}",
-                  flush=True)
+    with counted_crossings() as counts:
+        for _ in range(args.rounds):
+            for name in args.handlers.split(","):
+                make, drive = handlers[name]
+                app = make()
+                drive(app, 50)  # warm
+                counts.update(crossings=0, threads=0)
+                cpu, wall = time.process_time(), time.perf_counter()
+                drive(app, args.requests)
+                cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+                n = args.requests
+                print(f"{name:7} CPU {1e6 * cpu / n:6.0f} µs  wall {1e6 * wall / n:6.0f} µs a request; "
+                      f"loop->thread calls {counts['crossings'] / n:4.1f}, threads started {counts['threads'] / n:4.2f}",
+                      flush=True)
 
 
 if __name__ == "__main__":

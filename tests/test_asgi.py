@@ -23,6 +23,7 @@ from django.test import AsyncClient, override_settings
 from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
 
+from bench.handlers import counted_crossings
 from refundops.asgi_handler import DjangoHandler, Threads
 from refundops.metrics import HTTP_REQUESTS
 from tests.test_logs import formatted_lines
@@ -127,29 +128,16 @@ def asgi_get(app, path: str, *, times: int = 1) -> list[dict]:
     return answers
 
 
-def crossings_and_threads(app, path: str, monkeypatch, *, times: int = 4) -> tuple[float, float]:
+def crossings_and_threads(app, path: str, *, times: int = 4) -> tuple[float, float]:
     """Calls from the loop to a thread (SyncToAsync) and threads started, per request, after a warm one."""
     asgi_get(app, path)
-    counts = {"crossings": 0, "threads": 0}
-    call, start = SyncToAsync.__call__, threading.Thread.start
-
-    async def counted_call(self, *args, **kwargs):
-        counts["crossings"] += 1
-        return await call(self, *args, **kwargs)
-
-    def counted_start(self, *args, **kwargs):
-        counts["threads"] += 1
-        return start(self, *args, **kwargs)
-
-    monkeypatch.setattr(SyncToAsync, "__call__", counted_call)
-    monkeypatch.setattr(threading.Thread, "start", counted_start)
-    answers = asgi_get(app, path, times=times)
-    monkeypatch.undo()
+    with counted_crossings() as counts:
+        answers = asgi_get(app, path, times=times)
     assert all(sent[0]["status"] == 200 for sent in answers)
     return counts["crossings"] / times, counts["threads"] / times
 
 
-def test_the_deployed_handler_crosses_to_a_thread_once_per_request_and_starts_none(monkeypatch):
+def test_the_deployed_handler_crosses_to_a_thread_once_per_request_and_starts_none():
     """Django's ASGIHandler calls a thread for each middleware hook (MiddlewareMixin runs
     process_request/process_view/process_response through sync_to_async), for the view, for
     request_started and for the response's close, and starts two threads per request (the request's
@@ -157,8 +145,8 @@ def test_the_deployed_handler_crosses_to_a_thread_once_per_request_and_starts_no
     handler runs all of it in one call, on a thread it keeps. Fails before (refundops.asgi served
     Django's handler): 16 crossings and 2 threads started per request."""
     with override_settings(MIDDLEWARE=ASGI_MIDDLEWARE, ROOT_URLCONF=__name__):
-        django_crossings, django_threads = crossings_and_threads(ASGIHandler(), "/probe/", monkeypatch)
-        ours = crossings_and_threads(DjangoHandler(threads=2), "/probe/", monkeypatch)
+        django_crossings, django_threads = crossings_and_threads(ASGIHandler(), "/probe/")
+        ours = crossings_and_threads(DjangoHandler(threads=2), "/probe/")
     # the control: Django's own handler
     assert django_crossings >= 10 and django_threads == 2, (django_crossings, django_threads)
     assert ours == (1, 0)
