@@ -53,25 +53,33 @@ def counted_crossings() -> Iterator[dict[str, int]]:
         SyncToAsync.__call__, threading.Thread.start = call, start
 
 
+async def answered(app, scope: dict, *, receive=None, send=None) -> list[dict]:
+    """One request through ``app``; the messages it sent. By default its body is empty and the
+    client reads the answer at once."""
+    sent: list[dict] = []
+    asked = False
+
+    async def whole_body():
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # the client stays
+
+    async def record(message):
+        sent.append(message)
+
+    await app(scope, receive or whole_body, send or record)
+    return sent
+
+
 def asgi_requests(app, n: int) -> None:
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
              "path": PATH, "raw_path": PATH.encode(), "query_string": b"", "root_path": "",
              "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5000), "headers": [(b"host", b"127.0.0.1")]}
 
     async def one() -> None:
-        asked, sent = False, []
-
-        async def receive():
-            nonlocal asked
-            if not asked:
-                asked = True
-                return {"type": "http.request", "body": b"", "more_body": False}
-            await asyncio.Event().wait()  # the client stays
-
-        async def send(message):
-            sent.append(message)
-
-        await app(dict(scope), receive, send)
+        sent = await answered(app, dict(scope))
         assert sent[0]["status"] == 200, sent
 
     async def many() -> None:

@@ -23,7 +23,7 @@ from django.test import AsyncClient, override_settings
 from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
 
-from bench.handlers import counted_crossings
+from bench.handlers import answered, counted_crossings
 from refundops.asgi_handler import DjangoHandler, Threads
 from refundops.metrics import HTTP_REQUESTS
 from tests.test_logs import formatted_lines
@@ -252,26 +252,6 @@ urlpatterns.append(path("echo/", echo, name="asgi-echo"))
 def http_scope(method: str, path: str) -> dict:
     return {**scope_of(path), "method": method,
             "headers": [(b"host", b"testserver"), (b"content-type", b"application/json")]}
-
-
-async def answered(app, scope: dict, *, receive=None, send=None) -> list[dict]:
-    """One request through ``app``; the messages it sent. By default its body is empty and the
-    client reads the answer at once."""
-    sent: list[dict] = []
-    asked = False
-
-    async def whole_body():
-        nonlocal asked
-        if not asked:
-            asked = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        await asyncio.Event().wait()  # the client stays
-
-    async def record(message):
-        sent.append(message)
-
-    await app(scope, receive or whole_body, send or record)
-    return sent
 
 
 def one_thread_while(slow_request) -> tuple[list[dict], list[dict]]:
