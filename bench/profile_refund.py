@@ -80,11 +80,46 @@ def against_inline(one, rounds: int) -> None:
               f" wall {wall:.2f} ms ({rounds} blocks of 100)")
 
 
+def sender_cprofile(one, n: int, lines: int) -> None:
+    """cProfile of the outbox's sender thread over ``n`` requests, on that thread's own CPU clock:
+    a new sender is started whose whole loop (the wait, the hand-off, the batch) runs profiled."""
+    import cProfile
+    import pstats
+
+    from refundops import outbox
+
+    outbox.stop_sender()
+    profile = cProfile.Profile(time.thread_time)
+    run = outbox._Sender._run
+
+    def profiled(self) -> None:
+        profile.enable()
+        try:
+            run(self)
+        finally:
+            profile.disable()
+
+    outbox._Sender._run = profiled
+    try:
+        for _ in range(n):
+            one()
+        drain_sender()
+        outbox.stop_sender()
+    finally:
+        outbox._Sender._run = run
+    stats = pstats.Stats(profile)
+    print(f"\nthe outbox's sender thread over {n} requests: {stats.total_tt * 1000 / n:.2f} ms of its CPU a request")
+    stats.sort_stats("cumulative").print_stats(lines)
+    stats.sort_stats("tottime").print_stats(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--pyinstrument", metavar="HTML", help="write a pyinstrument profile of the timed requests")
     parser.add_argument("--cprofile", type=int, metavar="LINES", help="cProfile on the request thread's CPU time (not wall): the top LINES")
+    parser.add_argument("--sender-cprofile", type=int, metavar="LINES",
+                        help="cProfile of the outbox's sender thread on its own CPU clock: the top LINES")
     parser.add_argument("--against-inline", type=int, metavar="ROUNDS",
                         help="alternate 100 requests with the nudge inline and 100 with the sender, ROUNDS times")
     args = parser.parse_args()
@@ -223,6 +258,9 @@ def main() -> None:
         profile.disable()
         drain_sender()
         pstats.Stats(profile).sort_stats("cumulative").print_stats(args.cprofile)
+
+    if args.sender_cprofile:
+        sender_cprofile(one, n, args.sender_cprofile)
 
     if args.pyinstrument:
         from pyinstrument import Profiler
