@@ -337,3 +337,101 @@ def test_under_the_pool_the_sender_gives_its_connection_back_after_each_batch():
     subprocess.run([sys.executable, "-c", POOLED_COMMITS], cwd=ROOT, env=env, check=True, timeout=300)
     assert sent_names() == [f"pooled-{i}" for i in range(4)]
     assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
+
+
+def raw_queued(queue: str) -> list[dict]:
+    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    return [json.loads(raw) for raw in client.lrange(f"{django_settings.REDIS_KEY_PREFIX}{queue}", 0, -1)]
+
+
+def without_ids(message: dict) -> dict:
+    """A message less what differs from one send to the next (its task id, delivery tag) and from
+    one thread to the next (reply_to, a per-thread id)."""
+    headers = {k: v for k, v in message["headers"].items() if k not in ("id", "root_id")}
+    properties = {k: v for k, v in message["properties"].items() if k not in ("correlation_id", "reply_to")}
+    properties["delivery_info"] = dict(properties["delivery_info"])
+    properties.pop("delivery_tag")
+    return {**message, "headers": headers, "properties": properties}
+
+
+def test_the_sender_publishes_each_message_as_apply_async_would():
+    """The sender builds its messages with Celery's own parts on a producer it keeps; what reaches
+    the broker is what apply_async sends: headers (argsrepr, kwargsrepr, the request id), body,
+    properties, routing (the router's queue for a submission written without one)."""
+    rows = [("refundops.tasks.submit_refund", {"refund_id": "rf_nowhere"}, ""),  # the router: payments.sandbox
+            (POLL, {"refund_id": "rf_polled"}, "default"),
+            ("refundops.tasks.count_agent_refund", {"amount_minor": 500, "currency": "USD",
+                                                    "at": "2026-12-01T08:00:00+00:00"}, "")]
+    with broker_at(django_settings.REDIS_URL):
+        bind_request_id("req-sent")
+        try:
+            with transaction.atomic():
+                for task, kwargs, queue in rows:
+                    outbox.send_after_commit(task, kwargs, queue=queue)
+        finally:
+            structlog.contextvars.clear_contextvars()
+    by_sender = {q: raw_queued(q) for q in ("payments.sandbox", "default")}
+    redis.Redis.from_url(django_settings.REDIS_URL).delete(
+        *(f"{django_settings.REDIS_KEY_PREFIX}{q}" for q in by_sender))
+    with broker_at(django_settings.REDIS_URL):
+        bind_request_id("req-sent")
+        try:
+            for row in OutboxMessage.objects.order_by("pk"):  # kwargs as jsonb keeps them (keys reordered)
+                celery_app.tasks[row.task].apply_async(kwargs=row.kwargs, queue=row.queue or None, retry=False)
+        finally:
+            structlog.contextvars.clear_contextvars()
+    by_apply_async = {q: raw_queued(q) for q in by_sender}
+    assert [len(by_sender[q]) for q in by_sender] == [1, 2]
+    for queue, messages in by_sender.items():
+        def key(message: dict) -> str:
+            return message["headers"]["task"]
+
+        assert ([without_ids(m) for m in sorted(messages, key=key)]  # a batch's order is the claim's, not the ids'
+                == [without_ids(m) for m in sorted(by_apply_async[queue], key=key)])
+        assert all(m["headers"]["refundops_request_id"] == "req-sent" for m in messages)
+        assert all(m["properties"]["reply_to"] for m in messages)
+
+
+def test_a_batch_the_broker_refused_is_the_relays_and_the_next_goes_through_a_new_producer(monkeypatch, settings):
+    """The sender keeps its producer (and kombu's publish batch on it) from batch to batch; a batch
+    the broker refused leaves its rows to the relay, and the next is sent on a producer built anew."""
+    with broker_at(django_settings.REDIS_URL):
+        commit("before")
+        assert outbox.drain(timeout=30)
+        kept = outbox._sender.publisher
+        assert kept is not None
+        flush = kombu_redis.PublishBatch.flush
+        refusals = []
+
+        def refused_once(self):
+            if not refusals:
+                refusals.append(self)
+                self.pipeline.reset()
+                raise redis.exceptions.ConnectionError("Connection reset by peer")
+            return flush(self)
+
+        monkeypatch.setattr(kombu_redis.PublishBatch, "flush", refused_once)
+        (refused,) = commit("refused")
+        assert outbox.drain(timeout=30)
+        commit("after")
+    assert refusals and outbox._sender.publisher is not kept
+    assert sent_names() == ["after", "before"]
+    row = OutboxMessage.objects.get(pk=refused)
+    assert row.sent_at is None and "Connection reset by peer" in row.last_error
+    settings.OUTBOX_GRACE_SECONDS = 0
+    with broker_at(django_settings.REDIS_URL):
+        assert outbox.relay_unsent() == 1
+    assert sent_names() == ["after", "before", "refused"]
+
+
+def test_the_senders_producer_follows_the_apps_broker():
+    """A producer kept from batch to batch still publishes where the app says: a broker moved (here
+    to one that is down) is the one the next batch goes to."""
+    from tests.test_outbox import DEAD_BROKER
+
+    with broker_at(django_settings.REDIS_URL):
+        commit("up")
+    with broker_at(DEAD_BROKER):
+        (down,) = commit("down")
+    assert sent_names() == ["up"]
+    assert OutboxMessage.objects.get(pk=down).sent_at is None
