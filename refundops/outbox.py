@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from datetime import timedelta
@@ -56,6 +57,11 @@ CLAIM_SECONDS = 60
 # broker down or slow, new ones are left to the relay, which has them anyway); idle this long, it
 # gives its database connection back; at exit, the process waits this long for it to finish.
 SENDER_BATCH = 500
+# After the first id comes, the sender waits this long for more before it claims them: a batch's
+# cost (the thread's wake-up, the claim, the publish round trip, the mark, the connection's check)
+# is then shared by the commits of that while. The effects reach the broker this much later; no
+# caller waits for them (nor for this: the commit has answered).
+SENDER_LINGER_SECONDS = 0.02
 SENDER_MAX_WAITING = 20_000
 SENDER_IDLE_SECONDS = 60
 SENDER_EXIT_SECONDS = 5
@@ -267,6 +273,7 @@ class _Sender:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.waiting: list[tuple[int, str]] = []  # (row id, the committing request's id or "")
+        self.since = float("-inf")  # when the first of the ids waiting now came
         self.busy = False  # a batch is being sent
         self.stopping = False
         self.full = False  # ids were left to the relay since the queue was last below its bound
@@ -282,8 +289,14 @@ class _Sender:
                 self.full = True
                 return
             self.full = False
+            before = len(self.waiting)
             self.waiting.extend((message_id, request_id) for message_id in ids)
-            self.changed.notify_all()
+            if not before:
+                self.since = time.monotonic()
+            # Woken when there is something to send, or a full batch: not by every commit while it
+            # lingers (each would cost a thread switch) or is busy (it looks again when done).
+            if not before or before < SENDER_BATCH <= len(self.waiting):
+                self.changed.notify_all()
 
     def drain(self, timeout: float | None) -> bool:
         """Wait until nothing is waiting or being sent; False if that took longer than ``timeout``
@@ -320,7 +333,13 @@ class _Sender:
                     elif not self.waiting:
                         return  # stopping, and nothing left
                     else:
+                        # Linger: commits made meanwhile join this batch (one claim, one publish,
+                        # one mark, one wake-up for them all). Not when stopping or a batch is full.
+                        linger = self.since + SENDER_LINGER_SECONDS - time.monotonic()
+                        if linger > 0:
+                            self.changed.wait_for(lambda: self.stopping or len(self.waiting) >= SENDER_BATCH, linger)
                         batch, self.waiting = self.waiting[:SENDER_BATCH], self.waiting[SENDER_BATCH:]
+                        self.since = float("-inf")  # what is left has waited already
                         self.busy = True
                 if batch is None:
                     self._close_publisher()

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -310,6 +311,7 @@ def test_inside_a_celery_task_the_nudge_runs_before_the_task_returns():
 
 POOLED_COMMITS = """
 import threading
+import time
 import refundops.asgi  # noqa: F401 - as uvicorn imports it: a psycopg pool, here of one connection
 from django.db import connection, transaction
 from refundops import outbox
@@ -435,3 +437,22 @@ def test_the_senders_producer_follows_the_apps_broker():
         (down,) = commit("down")
     assert sent_names() == ["up"]
     assert OutboxMessage.objects.get(pk=down).sent_at is None
+
+
+def test_commits_made_while_the_sender_lingers_go_out_in_one_batch_and_a_stop_ends_the_wait(monkeypatch):
+    """After the first id comes the sender waits SENDER_LINGER_SECONDS for more: commits made
+    meanwhile share one claim, one publish and one mark. A process stopping does not wait it out."""
+    monkeypatch.setattr(outbox, "SENDER_LINGER_SECONDS", 60)
+    claims: list[int] = []
+    claim = outbox._claim
+    monkeypatch.setattr(outbox, "_claim", lambda **kw: claims.append(len(kw["ids"])) or claim(**kw))
+    with broker_at(django_settings.REDIS_URL):
+        commit("first")
+        commit("second-a", "second-b")
+        commit("third")
+        assert claims == []  # lingering
+        started = time.monotonic()
+        assert outbox.stop_sender(timeout=30)
+        assert time.monotonic() - started < 10
+    assert claims == [4]
+    assert sent_names() == ["first", "second-a", "second-b", "third"]
