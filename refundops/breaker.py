@@ -20,11 +20,13 @@ that alerts (closed → open) is guarded in Redis (HSETNX), so operators hear of
 
 from __future__ import annotations
 
+import functools
 import logging
 from datetime import datetime
 from typing import Literal
 
 import redis
+from redis.commands.core import Script
 from django.conf import settings
 from django.core.mail import mail_admins, send_mail
 from django.db import transaction
@@ -80,34 +82,58 @@ def is_open(*, now: datetime) -> bool:
     return status(now=now) == "open"
 
 
+_RECORD_LUA = """
+-- KEYS: the counts, the values (of one currency), the state. ARGV: this minute, the amount, the
+-- baseline's first minute, the baseline's length in minutes, the series' time to live.
+local minute, first, baseline = tonumber(ARGV[1]), tonumber(ARGV[3]), tonumber(ARGV[4])
+redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+redis.call('HINCRBY', KEYS[2], ARGV[1], ARGV[2])
+local fields, stale = {}, {}
+for m = first, minute do fields[#fields + 1] = m end
+for m = first - 10, first - 1 do stale[#stale + 1] = m end
+local sums = {0, 0, 0, 0}  -- the baseline's count and value, then the window's
+for k = 1, 2 do
+    local got = redis.call('HMGET', KEYS[k], unpack(fields))
+    for i = 1, #fields do
+        if got[i] then
+            local at = k + (i > baseline and 2 or 0)
+            sums[at] = sums[at] + tonumber(got[i])
+        end
+    end
+    redis.call('HDEL', KEYS[k], unpack(stale))
+    redis.call('EXPIRE', KEYS[k], ARGV[5])
+end
+local function text(n) return string.format('%d', n) end  -- whole, as text: Lua's numbers are doubles
+return {text(sums[1]), text(sums[2]), text(sums[3]), text(sums[4]), redis.call('HGETALL', KEYS[3])}
+"""
+
+
+@functools.cache
+def _record_script(client: redis.Redis) -> Script:
+    """One per client: redis-py sends EVALSHA, and loads the script again after NOSCRIPT."""
+    return client.register_script(_RECORD_LUA)
+
+
 def record_refund(amount_minor: int, currency: str, now: datetime) -> None:
-    """Count one approved agent refund; trip, re-open or close the breaker as the volume says."""
+    """Count one approved agent refund; trip, re-open or close the breaker as the volume says. The
+    count, the sums of the baseline and of the window, the clean-up of minutes past the baseline
+    and the state are one script in Redis (one round trip, a reply of six values, not the 130
+    buckets a pipeline of HMGETs brought back to be summed here)."""
     window = int(setting("BREAKER_WINDOW_MINUTES"))
     baseline = int(setting("BREAKER_BASELINE_MINUTES"))
     minute = int(now.timestamp() // 60)
-    minutes = list(range(minute - window - baseline + 1, minute + 1))
-    stale = range(minutes[0] - 10, minutes[0])  # fields of minutes now past the baseline
-    counts, values = _series_key("n"), _series_key(f"v:{currency}")
+    first = minute - window - baseline + 1  # the baseline's first minute; the window ends at this one
     client = redis_client()
     try:
-        pipe = client.pipeline(transaction=True)
-        pipe.hincrby(counts, minute, 1)
-        pipe.hincrby(values, minute, amount_minor)
-        pipe.hmget(counts, minutes)
-        pipe.hmget(values, minutes)
-        for key in (counts, values):
-            pipe.hdel(key, *stale)
-            pipe.expire(key, (window + baseline + 1) * 60)
-        pipe.hgetall(_state_key())
-        replies = pipe.execute()
-        buckets = [(int(n or 0), int(v or 0)) for n, v in zip(replies[2], replies[3])]
-        phase = _phase(replies[-1], now)
-        base, recent = buckets[:baseline], buckets[baseline:]
-        count, value = sum(n for n, _ in recent), sum(v for _, v in recent)
+        base_count, base_value, count, value, state = _record_script(client)(
+            keys=[_series_key("n"), _series_key(f"v:{currency}"), _state_key()],
+            args=[minute, amount_minor, first, baseline, (window + baseline + 1) * 60], client=client)
+        base_count, base_value, count, value = (_integer(x) for x in (base_count, base_value, count, value))
+        phase = _phase(dict(zip(state[::2], state[1::2])), now)
         factor = setting("BREAKER_FACTOR")
-        count_limit = max(setting("BREAKER_MIN_COUNT"), factor * sum(n for n, _ in base) * window / baseline)
+        count_limit = max(setting("BREAKER_MIN_COUNT"), factor * base_count * window / baseline)
         value_limit = max(setting("BREAKER_MIN_VALUE") * 10 ** currency_exponent(currency),
-                          factor * sum(v for _, v in base) * window / baseline)
+                          factor * base_value * window / baseline)
         why = (f"{count} agent refunds in {window} minutes, over the limit of {count_limit:.0f}"
                if count > count_limit else
                f"{format_minor(value, currency)} of agent refunds in {window} minutes, over the limit of "
@@ -123,6 +149,15 @@ def record_refund(amount_minor: int, currency: str, now: datetime) -> None:
     except redis.RedisError as exc:
         log.error("breaker: Redis unreachable (%s); failing closed", exc)
         raise store_unavailable("circuit breaker") from exc
+
+
+def _integer(reply: bytes | str | int) -> int:
+    """A sum from the script, sent as text: Lua's numbers are doubles, whole and exact up to 2^53
+    (9 * 10^15 minor units in 65 minutes of one currency's agent refunds)."""
+    text = reply.decode() if isinstance(reply, bytes) else str(reply)
+    if not text.lstrip("-").isdigit():
+        raise redis.ResponseError(f"breaker: a sum out of range: {text}")
+    return int(text)
 
 
 def _open(client: redis.Redis, *, why: str, now: datetime, first: bool) -> None:

@@ -127,6 +127,36 @@ def test_half_open_opens_again_if_the_volume_is_still_abnormal(tuned, settings):
     assert reopened.data["reopened"] is True
 
 
+@pytest.mark.django_db
+def test_minutes_past_the_baseline_are_forgotten_and_the_series_expire(tuned):
+    """One script counts, sums and cleans (refundops/breaker.py): a minute that has left the
+    baseline (65 minutes with the window) loses its field, and each series expires an hour and six
+    minutes after its last count."""
+    from processors.redis_client import redis_client
+
+    client = redis_client()
+    minute = int(T0.timestamp() // 60)
+    record(1, at=T0)
+    later = T0 + timedelta(minutes=65)  # T0's minute is now the first before the baseline
+    record(1, at=later - timedelta(minutes=1))
+    assert int(client.hget(breaker._series_key("n"), minute)) == 1
+    record(1, at=later)
+    assert client.hget(breaker._series_key("n"), minute) is None
+    assert client.hget(breaker._series_key("v:USD"), minute) is None
+    assert 0 < client.ttl(breaker._series_key("n")) <= 66 * 60
+    assert breaker.status(now=later) == "closed"
+
+
+@pytest.mark.django_db
+def test_sums_of_large_values_stay_exact(tuned):
+    tuned.BREAKER_MIN_VALUE = 1_000_000_000_000  # a trillion USD: 10^14 cents
+    record(2, at=T0, amount=40_000_000_000_001)
+    assert breaker.status(now=T0) == "closed"
+    record(1, at=T0, amount=40_000_000_000_001)
+    assert breaker.status(now=T0) == "open"
+    assert "1,200,000,000,000.03 USD" in AuditEntry.objects.get(action="breaker.opened").data["reason"]
+
+
 def test_without_redis_the_breaker_fails_closed(settings):
     settings.REDIS_URL = "redis://127.0.0.1:1/0"
     with pytest.raises(ApiError) as refused:
