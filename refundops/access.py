@@ -12,6 +12,7 @@ from django.db import connection
 from django.db.models import Exists
 from django.utils import timezone
 
+from refundops import batching
 from refundops.errors import ApiError
 from refundops.models import Agent, AgentKey, Merchant, PlatformState
 from refundops.rows import Columns, cache_related
@@ -61,10 +62,11 @@ def _key_named(prefix: str) -> AgentKey | None:
     # The statement the ORM would write for the query above, without compiling it on every request.
     global _KEY_SQL
     if _KEY_SQL is None:
-        _KEY_SQL = (f"SELECT {_KEY.sql}, {_AGENT.sql}, {_MERCHANT.sql}, EXISTS(SELECT 1 FROM"
-                    f" {PlatformState._meta.db_table} s WHERE s.id = 1 AND s.agents_disabled)"
-                    f" FROM {AgentKey._meta.db_table} k JOIN {Agent._meta.db_table} a ON a.id = k.agent_id"
-                    f" JOIN {Merchant._meta.db_table} m ON m.id = a.merchant_id WHERE k.prefix = %s")
+        _KEY_SQL = batching.prepared(
+            f"SELECT {_KEY.sql}, {_AGENT.sql}, {_MERCHANT.sql}, EXISTS(SELECT 1 FROM"
+            f" {PlatformState._meta.db_table} s WHERE s.id = 1 AND s.agents_disabled)"
+            f" FROM {AgentKey._meta.db_table} k JOIN {Agent._meta.db_table} a ON a.id = k.agent_id"
+            f" JOIN {Merchant._meta.db_table} m ON m.id = a.merchant_id WHERE k.prefix = %s")
     with connection.cursor() as cursor:
         cursor.execute(_KEY_SQL, [prefix])
         row = cursor.fetchone()

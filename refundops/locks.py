@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from django.db import connection
 
+from refundops import batching
 from refundops.models import Payment, PlatformState, Refund
 
 FAST_PATH_SLOTS = 32
@@ -118,7 +119,7 @@ def lock_scopes(*, customer_id: str, agent_id: str | None, currency: str, exclus
     ring = _slot_keys(currency)
     locks = ", ".join(f"{function}(%s)" for function, _ in keys)
     with connection.cursor() as cursor:
-        cursor.execute(_LOCK_SQL.format(locks=locks), [list(ring[start:] + ring[:start]) if wanted else [], wanted,
+        cursor.execute(batching.prepared(_LOCK_SQL.format(locks=locks)), [list(ring[start:] + ring[:start]) if wanted else [], wanted,
                                                        *(key for _, key in keys)])
         held = cursor.fetchone()[0]
         if wanted == 1 and held == 0:

@@ -84,8 +84,8 @@ def active_endpoints(refund: Refund, *, deferred: bool = False) -> list[Merchant
         merchant = Payment.objects.filter(pk=refund.payment_id).values("merchant_id")[:1]
         return list(MerchantEndpoint.objects.filter(active=True, merchant_id=Subquery(merchant)))
     endpoints: list[MerchantEndpoint] = []
-    sql = (f"SELECT {_ENDPOINT.sql} FROM {MerchantEndpoint._meta.db_table} e WHERE e.active AND e.merchant_id = "
-           f"(SELECT merchant_id FROM {Payment._meta.db_table} WHERE id = %s) ORDER BY e.id")
+    sql = batching.prepared(f"SELECT {_ENDPOINT.sql} FROM {MerchantEndpoint._meta.db_table} e WHERE e.active AND e.merchant_id = "
+                            f"(SELECT merchant_id FROM {Payment._meta.db_table} WHERE id = %s) ORDER BY e.id")
 
     def read(cursor) -> None:
         endpoints.extend(_ENDPOINT.make(row) for row in cursor.fetchall())

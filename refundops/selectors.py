@@ -8,6 +8,7 @@ from django.db import connection
 from django.db.models import Count, JSONField, Q, Sum
 from django.utils import timezone
 
+from refundops import batching
 from refundops.models import COUNTING_STATES, HoldRules, Payment, PlatformState, PolicyDraft, Refund, RefundLimits
 from refundops.policy import Totals
 
@@ -29,14 +30,14 @@ def shadow_drafts(currency: str) -> list[PolicyDraft]:
 # The three reads above in one round trip (PostgreSQL): each row as JSON, made back into the model
 # the ORM would have returned (the same rows, the same order: the latest version first, drafts
 # newest first). The ORM's three statements cost more to compile than to run.
-_POLICY_SQL = """
+_POLICY_SQL = batching.prepared("""
 SELECT (SELECT row_to_json(l) FROM (SELECT * FROM {limits} WHERE currency = %(currency)s
                                     ORDER BY version DESC LIMIT 1) l),
        (SELECT row_to_json(r) FROM (SELECT * FROM {rules} ORDER BY version DESC LIMIT 1) r),
        (SELECT json_agg(d ORDER BY d.created_at DESC) FROM {drafts} d
          WHERE %(shadows)s AND d.shadow AND d.status IN (%(draft)s, %(proposed)s)
            AND (d.kind = %(rules_kind)s OR (d.kind = %(limits_kind)s AND d.currency = %(currency)s)))
-""".format(limits=RefundLimits._meta.db_table, rules=HoldRules._meta.db_table, drafts=PolicyDraft._meta.db_table)
+""".format(limits=RefundLimits._meta.db_table, rules=HoldRules._meta.db_table, drafts=PolicyDraft._meta.db_table))
 
 
 def policy_in_force(currency: str, *, shadows: bool = True) -> tuple[RefundLimits | None, HoldRules | None,
@@ -75,7 +76,7 @@ def start_of_day(now: datetime) -> datetime:
 # Scalar subqueries let each scope use its own index (customer via the payment, agent, day, payment);
 # the customer's refunds are found through the customer's payments (OFFSET 0 keeps the planner
 # from turning that into a scan of every recent refund).
-_TOTALS_SQL = """
+_TOTALS_SQL = batching.prepared("""
 SELECT
   pr.count,
   c.day_count, c.day_sum, c.month_count, c.month_sum, c.velocity,
@@ -110,7 +111,7 @@ FROM
     WHERE agent_id = %(agent)s AND status = ANY(%(states)s) AND currency = %(currency)s AND id <> %(exclude)s
       AND (counted_at >= LEAST(%(day)s, %(hour)s) OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
 """.format(refund=Refund._meta.db_table, payment=Payment._meta.db_table,
-           platform=PlatformState._meta.db_table, limits=RefundLimits._meta.db_table)
+           platform=PlatformState._meta.db_table, limits=RefundLimits._meta.db_table))
 
 
 def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,

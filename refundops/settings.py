@@ -131,6 +131,10 @@ else:
     # PostgreSQL restart costs one reconnect, not an error). Never a connection per request.
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=600)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# The statements every request sends go as prepared statements (refundops.batching): at most this
+# many a connection; 0 sends them as they are (behind PgBouncer in transaction mode, which hands a
+# connection's transactions to several server sessions).
+DATABASE_PREPARED_STATEMENTS = env.int("DATABASE_PREPARED_STATEMENTS", default=32)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Redis holds only what may be rebuilt: rate-limit windows, breaker state, the broker's queue.

@@ -138,11 +138,12 @@ _PAYMENT_COLUMNS, _CUSTOMER_COLUMNS = Columns(Payment, "p"), Columns(Customer, "
 @functools.cache
 def _payment_sql(by_merchant: bool, lock: bool) -> str:
     """The payment read's statement (merchant named or not, locked or not), made on first use."""
-    return (f"SELECT {_PAYMENT_COLUMNS.sql}, EXISTS(SELECT 1 FROM {LedgerDiscrepancy._meta.db_table} d"
-            f" WHERE d.payment_id = p.id AND d.status = %s), {_CUSTOMER_COLUMNS.sql}"
-            f" FROM {Payment._meta.db_table} p JOIN {Customer._meta.db_table} c ON c.id = p.customer_id"
-            f" WHERE p.id = %s" + (" AND p.merchant_id = %s" if by_merchant else "")
-            + (" FOR UPDATE OF p" if lock else ""))
+    return batching.prepared(
+        f"SELECT {_PAYMENT_COLUMNS.sql}, EXISTS(SELECT 1 FROM {LedgerDiscrepancy._meta.db_table} d"
+        f" WHERE d.payment_id = p.id AND d.status = %s), {_CUSTOMER_COLUMNS.sql}"
+        f" FROM {Payment._meta.db_table} p JOIN {Customer._meta.db_table} c ON c.id = p.customer_id"
+        f" WHERE p.id = %s" + (" AND p.merchant_id = %s" if by_merchant else "")
+        + (" FOR UPDATE OF p" if lock else ""))
 
 
 def _replay(base: dict[str, Any], replay: idempotency.Replay) -> Answer:
@@ -419,19 +420,19 @@ def _history_sql(differ: tuple[str, ...], n: int) -> str:
            f" SELECT {', '.join('r.' + quote(f.column) for f in same)}, {', '.join(f'h.c{i}' for i in range(len(given)))}"
            f" FROM r, (VALUES {', '.join(row.replace('(%s, ', f'({i}, ', 1) for i in range(n))})"
            f" AS h(n, {', '.join(f'c{i}' for i in range(len(given)))}) ORDER BY h.n")
-    return sql
+    return batching.prepared(sql)
 
 
 # Sums and stores in one statement (PostgreSQL and SQLite): the aggregate, then the update, each
 # cost a round trip while the payment row is locked.
-_SYNC_SQL = """
+_SYNC_SQL = batching.prepared("""
 UPDATE {payment} SET (amount_refunded_minor, amount_reserved_minor) = (
   SELECT COALESCE(SUM(CASE WHEN status = %s THEN amount_minor END), 0),
          COALESCE(SUM(CASE WHEN status IN ({reserving}) THEN amount_minor END), 0)
     FROM {refund} WHERE payment_id = %s)
  WHERE id = %s
 RETURNING amount_refunded_minor, amount_reserved_minor""".format(
-    payment=Payment._meta.db_table, refund=Refund._meta.db_table, reserving=", ".join(["%s"] * len(RESERVING_STATES)))
+    payment=Payment._meta.db_table, refund=Refund._meta.db_table, reserving=", ".join(["%s"] * len(RESERVING_STATES))))
 
 
 def sync_payment_amounts(payment: Payment) -> None:
