@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--cprofile", type=int, metavar="LINES", help="cProfile on the request thread's CPU time (not wall): the top LINES")
     parser.add_argument("--sender-cprofile", type=int, metavar="LINES",
                         help="cProfile of the outbox's sender thread on its own CPU clock: the top LINES")
+    parser.add_argument("--cprofile-dump", metavar="FILE", help="with --cprofile, also write the stats to FILE (pstats)")
     parser.add_argument("--against-inline", type=int, metavar="ROUNDS",
                         help="alternate 100 requests with the nudge inline and 100 with the sender, ROUNDS times")
     args = parser.parse_args()
@@ -257,6 +258,8 @@ def main() -> None:
             one()
         profile.disable()
         drain_sender()
+        if args.cprofile_dump:
+            profile.dump_stats(args.cprofile_dump)
         pstats.Stats(profile).sort_stats("cumulative").print_stats(args.cprofile)
 
     if args.sender_cprofile:
