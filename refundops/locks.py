@@ -91,14 +91,30 @@ class ScopeLocks:
 
 # The locks in the FROM clause run first; the slots are tried after them, so no slot is held while
 # a customer's or agent's lock is awaited. LIMIT stops at as many free slots as are wanted.
+# The currency's ring of slots is spelled in the statement (fixed by the code, one statement per
+# currency), turned by a parameter: bound as a parameter, its 32 keys cost psycopg more to adapt
+# on every request than the rest of the statement.
 _LOCK_SQL = """
-SELECT (SELECT count(*) FROM (SELECT FROM unnest(%s::bigint[]) AS k WHERE pg_try_advisory_xact_lock(k) LIMIT %s) s)
+SELECT (SELECT count(*) FROM (SELECT FROM unnest({ring}) AS k WHERE pg_try_advisory_xact_lock(k) LIMIT %s) s)
   FROM (SELECT {locks} OFFSET 0) AS held"""
 
 
 @functools.cache
 def _slot_keys(currency: str) -> tuple[int, ...]:
     return tuple(_key("slot", currency, str(i)) for i in range(FAST_PATH_SLOTS))
+
+
+@functools.cache
+def _lock_sql(currency: str | None, functions: tuple[str, ...]) -> str:
+    """The statement for ``functions`` (one parameter each: its key) and, with a currency, its ring
+    of slots from a first one given as two parameters: ``ring[start + 1:]``, ``ring[:start]``
+    (1-based, as ``ring[start:] + ring[:start]`` in Python)."""
+    if currency is None:
+        ring = "'{}'::bigint[]"
+    else:
+        keys = "'{" + ",".join(str(key) for key in _slot_keys(currency)) + "}'::bigint[]"
+        ring = f"({keys})[%s:{FAST_PATH_SLOTS}] || ({keys})[1:%s]"
+    return batching.prepared(_LOCK_SQL.format(ring=ring, locks=", ".join(f"{function}(%s)" for function in functions)))
 
 
 def lock_scopes(*, customer_id: str, agent_id: str | None, currency: str, exclusive: bool = False,
@@ -117,10 +133,12 @@ def lock_scopes(*, customer_id: str, agent_id: str | None, currency: str, exclus
     wanted = 0 if exclusive or slots > FAST_PATH_SLOTS else slots
     start = random.randrange(FAST_PATH_SLOTS)  # spread deciders over the slots
     ring = _slot_keys(currency)
-    locks = ", ".join(f"{function}(%s)" for function, _ in keys)
+    functions = tuple(function for function, _ in keys)
     with connection.cursor() as cursor:
-        cursor.execute(batching.prepared(_LOCK_SQL.format(locks=locks)), [list(ring[start:] + ring[:start]) if wanted else [], wanted,
-                                                       *(key for _, key in keys)])
+        if wanted:
+            cursor.execute(_lock_sql(currency, functions), [start + 1, start, wanted, *(key for _, key in keys)])
+        else:
+            cursor.execute(_lock_sql(None, functions), [wanted, *(key for _, key in keys)])
         held = cursor.fetchone()[0]
         if wanted == 1 and held == 0:
             # Every slot busy: wait for one rather than decide exclusively, which would queue every

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta
 
 from django.db import connection
@@ -71,6 +72,16 @@ def start_of_day(now: datetime) -> datetime:
     return timezone.localtime(now).replace(hour=0, minute=0, second=0, microsecond=0)
 
 
+def _sql_literal(value: str | tuple[str, ...]) -> str:
+    """A value fixed by the code (a state, an origin, a tuple of them as an array), spelled in the
+    statement as psycopg would bind it: not a parameter adapted again on every request. Plain
+    lowercase names only, so nothing in it needs quoting."""
+    names = (value,) if isinstance(value, str) else value
+    if not all(re.fullmatch(r"[a-z_]+", str(name)) for name in names):
+        raise ValueError(f"not a plain name: {value!r}")
+    return f"'{value}'" if isinstance(value, str) else "'{" + ",".join(str(name) for name in names) + "}'"
+
+
 # One round trip: the service reads these while it holds its scopes' locks (refundops.locks), and
 # the kill switch with them: read after the platform lock is taken, it is the one the decision sees.
 # Scalar subqueries let each scope use its own index (customer via the payment, agent, day, payment);
@@ -82,24 +93,24 @@ SELECT
   c.day_count, c.day_sum, c.month_count, c.month_sum, c.velocity,
   a.hour_sum, a.day_sum, a.session_sum,
   (SELECT COALESCE(SUM(amount_minor), 0) FROM {refund}
-    WHERE status = ANY(%(states)s) AND currency = %(currency)s AND counted_at >= %(day)s
+    WHERE status = ANY({states}) AND currency = %(currency)s AND counted_at >= %(day)s
       AND id <> %(exclude)s),
   pr.agents_sum, c.agents_window_sum,
   COALESCE((SELECT refunds_paused OR agents_disabled FROM {platform} WHERE id = 1), false),
   COALESCE((SELECT MAX(version) FROM {limits} WHERE currency = %(currency)s), 0)
 FROM
-  (SELECT COUNT(*) AS count, COALESCE(SUM(amount_minor) FILTER (WHERE origin = %(agent_origin)s), 0) AS agents_sum
-     FROM {refund} WHERE payment_id = %(payment)s AND status = ANY(%(states)s) AND id <> %(exclude)s) pr,
+  (SELECT COUNT(*) AS count, COALESCE(SUM(amount_minor) FILTER (WHERE origin = {agent_origin}), 0) AS agents_sum
+     FROM {refund} WHERE payment_id = %(payment)s AND status = ANY({states}) AND id <> %(exclude)s) pr,
   (SELECT COUNT(*) FILTER (WHERE r.counted_at >= %(day)s) AS day_count,
           COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(day)s), 0) AS day_sum,
           COUNT(*) FILTER (WHERE r.counted_at >= %(month)s) AS month_count,
           COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(month)s), 0) AS month_sum,
           COUNT(*) FILTER (WHERE r.counted_at >= %(velocity)s) AS velocity,
-          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(cumulative)s AND r.origin = %(agent_origin)s), 0)
+          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(cumulative)s AND r.origin = {agent_origin}), 0)
             AS agents_window_sum
      FROM {payment} p CROSS JOIN LATERAL (
           SELECT amount_minor, counted_at, origin FROM {refund}
-           WHERE payment_id = p.id AND status = ANY(%(states)s) AND currency = %(currency)s
+           WHERE payment_id = p.id AND status = ANY({states}) AND currency = %(currency)s
              AND counted_at >= LEAST(%(month)s, %(velocity)s, %(cumulative)s) AND id <> %(exclude)s
           OFFSET 0) r
     WHERE p.customer_id = %(customer)s) c,
@@ -108,10 +119,11 @@ FROM
           COALESCE(SUM(amount_minor) FILTER (WHERE %(session)s <> '' AND agent_session_id = %(session)s), 0)
             AS session_sum
      FROM {refund}
-    WHERE agent_id = %(agent)s AND status = ANY(%(states)s) AND currency = %(currency)s AND id <> %(exclude)s
+    WHERE agent_id = %(agent)s AND status = ANY({states}) AND currency = %(currency)s AND id <> %(exclude)s
       AND (counted_at >= LEAST(%(day)s, %(hour)s) OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
 """.format(refund=Refund._meta.db_table, payment=Payment._meta.db_table,
-           platform=PlatformState._meta.db_table, limits=RefundLimits._meta.db_table))
+           platform=PlatformState._meta.db_table, limits=RefundLimits._meta.db_table,
+           states=_sql_literal(COUNTING_STATES), agent_origin=_sql_literal(Refund.Origin.AGENT)))
 
 
 def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
@@ -142,7 +154,9 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
         return (_running_totals_orm(params), state.refunds_paused or state.agents_disabled,
                 latest.version if latest else 0)
     with connection.cursor() as cursor:
-        cursor.execute(_TOTALS_SQL, params)
+        # The states and the agents' origin are in the statement (fixed by the code), not adapted
+        # again on every request (the states' array element by element).
+        cursor.execute(_TOTALS_SQL, {k: v for k, v in params.items() if k not in ("states", "agent_origin")})
         *totals, paused, limits_version = cursor.fetchone()
     return Totals(*(int(v) for v in totals)), bool(paused), int(limits_version)
 
