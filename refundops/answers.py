@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from datetime import date
 from typing import TYPE_CHECKING, Any
+
+from rest_framework.renderers import JSONRenderer
 
 from processors.money import format_minor
 from refundops.errors import ERROR_STATUS
@@ -18,6 +21,9 @@ class Answer:
     status: int
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
+    # ``body`` as encoded(body) gives it, when that was already done (the stored first answer): the
+    # REST face sends these bytes rather than render the body again.
+    encoded: bytes | None = field(default=None, compare=False, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -27,11 +33,23 @@ class Answer:
     def code(self) -> str:
         return self.body.get("error", {}).get("code", "")
 
+    def with_encoded(self, encoded: bytes) -> Answer:
+        return replace(self, encoded=encoded)
+
     def deduplicated(self) -> Answer:
         if not self.ok:
             error = {**self.body["error"], "deduplicated": True}
             return Answer(self.status, {**self.body, "error": error}, self.headers)
         return Answer(self.status, {**self.body, "deduplicated": True}, self.headers)
+
+
+def encoded(body: dict[str, Any]) -> bytes:
+    """``body`` as the API's JSON renderer (DRF's JSONRenderer, as configured) renders it for a
+    plain ``application/json``: compact, UTF-8, strict (no NaN), U+2028 and U+2029 escaped. The
+    stored first answer of an idempotency key is this text, and the response sends these bytes."""
+    text = json.dumps(body, ensure_ascii=JSONRenderer.ensure_ascii, allow_nan=not JSONRenderer.strict,
+                      separators=(",", ":") if JSONRenderer.compact else (", ", ": "))
+    return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").encode()
 
 
 def error_answer(code: str, message: str, *, verdict_id: str | None, **extra: Any) -> Answer:

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import connection
-from psycopg.types.json import Jsonb
 from django.utils import timezone
 
 from refundops import batching
+from refundops.answers import encoded
 from refundops.models import IdempotencyRecord
 
 
@@ -56,16 +56,19 @@ def claim(scope: str, key: str, operation: str, digest: str) -> Replay:
     return Replay(existing, reused=existing.request_hash != digest)
 
 
-_STORE_SQL = f"""UPDATE {IdempotencyRecord._meta.db_table} SET response_status = %s, response_body = %s
+_STORE_SQL = f"""UPDATE {IdempotencyRecord._meta.db_table} SET response_status = %s, response_body = %s::jsonb
  WHERE scope = %s AND "key" = %s"""
 
 
-def store(scope: str, key: str, status: int, body: dict[str, Any]) -> None:
-    """The first answer, in the transaction that claimed the key. On PostgreSQL the statement the
-    ORM's update() writes, by hand: compiling it cost more Python than the claim and the store take
-    in PostgreSQL together (every POST stores one); in a batch (refundops.batching) it goes with
-    the writes before the commit."""
+def store(scope: str, key: str, status: int, body: dict[str, Any]) -> bytes:
+    """The first answer, in the transaction that claimed the key; returns it encoded
+    (``answers.encoded``), the text stored and the bytes the REST face sends: encoded once. On
+    PostgreSQL the statement the ORM's update() writes, by hand: compiling it cost more Python than
+    the claim and the store take in PostgreSQL together (every POST stores one); in a batch
+    (refundops.batching) it goes with the writes before the commit."""
+    text = encoded(body)
     if connection.vendor != "postgresql":
         IdempotencyRecord.objects.filter(scope=scope, key=key).update(response_status=status, response_body=body)
-        return
-    batching.defer(_STORE_SQL, [status, Jsonb(body), scope, key])
+        return text
+    batching.defer(_STORE_SQL, [status, text.decode(), scope, key])
+    return text

@@ -73,6 +73,32 @@ def test_same_key_same_body_replays_and_other_body_is_refused(api, policy):
     assert Refund.objects.count() == 1
 
 
+def test_the_first_answer_is_sent_as_stored_and_as_drf_renders_it(api, policy):
+    """The response's bytes are the stored first answer's text (encoded once), byte for byte what
+    DRF's JSONRenderer makes of the same body, line separators escaped; an Accept that asks for
+    another rendering (indent=) still gets DRF's."""
+    from rest_framework.renderers import JSONRenderer
+
+    from refundops.answers import encoded
+
+    payment = make_payment()
+    note = "caf\u00e9 \u2028 \u2029 \U0001f600 \"quoted\" \\ back"
+    body = {"transaction_id": payment.pk, "amount": 100, "reason": "customer_request", "note": note,
+            "agent": {"session_id": "s\u00e9", "model": "m"}}
+    response = post(api, "/api/v1/refunds", body, key="k-encoded")
+    assert response.status_code == 201 and response["Content-Type"] == "application/json"
+    sent = response.json()
+    assert response.content == JSONRenderer().render(sent, "application/json")
+    odd = {"text": note, "n": [1, None, True], "nested": {"\u00e9": "\u2029"}}
+    assert encoded(odd) == JSONRenderer().render(odd, "application/json")
+    record = IdempotencyRecord.objects.get(key="k-encoded")
+    assert record.response_body == sent and record.response_status == 201
+    indented = api.post("/api/v1/refunds", {**body, "amount": 101}, format="json", HTTP_ACCEPT="application/json; indent=2",
+                        HTTP_IDEMPOTENCY_KEY="k-indented")
+    assert indented.status_code == 201 and indented.content.startswith(b'{\n  "refund"')
+    assert indented.content == JSONRenderer().render(indented.json(), "application/json; indent=2")
+
+
 def test_post_without_idempotency_key_is_refused(api, policy):
     payment = make_payment()
     response = api.post("/api/v1/refunds", {"transaction_id": payment.pk, "reason": "duplicate"}, format="json")

@@ -7,6 +7,7 @@ from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework.exceptions import NotAcceptable, ParseError
 from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.parsers import JSONParser
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -32,7 +33,28 @@ IN_FLIGHT = OpenApiResponse(
 
 
 def render(answer: Answer) -> Response:
+    if answer.encoded is not None:
+        return EncodedResponse(answer.body, encoded=answer.encoded, status=answer.status, headers=answer.headers)
     return Response(answer.body, status=answer.status, headers=answer.headers)
+
+
+class EncodedResponse(Response):
+    """A Response whose body is already encoded as DRF's JSONRenderer renders it for a plain
+    ``application/json`` (``answers.encoded``: the stored first answer's text): those bytes are
+    sent, not rendered again. Any other rendering (``indent=`` asked for) goes DRF's way."""
+
+    def __init__(self, data, *, encoded: bytes, **kwargs) -> None:
+        super().__init__(data, **kwargs)
+        self.encoded = encoded
+
+    @property
+    def rendered_content(self):
+        renderer = getattr(self, "accepted_renderer", None)
+        if (type(renderer) is JSONRenderer and self.content_type is None
+                and getattr(self, "accepted_media_type", None) == renderer.media_type):
+            self["Content-Type"] = renderer.media_type  # as Response.rendered_content: JSON has no charset
+            return self.encoded
+        return super().rendered_content
 
 
 class JSONBodyParser(JSONParser):

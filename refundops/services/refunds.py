@@ -91,8 +91,8 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
         else:
             answer = _decide_for_payment(caller=caller, payment=payment, ask=ask, base=base, now=now,
                                          dry_run=dry_run, idempotency_key=idempotency_key)
-        if not dry_run:
-            idempotency.store(scope, idempotency_key, answer.status, answer.body)
+        if not dry_run:  # the stored text is the response's body too: encoded once
+            answer = answer.with_encoded(idempotency.store(scope, idempotency_key, answer.status, answer.body))
     return answer
 
 
