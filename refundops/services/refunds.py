@@ -26,7 +26,7 @@ from refundops.models import (RESERVING_STATES, Customer, LedgerDiscrepancy, Pay
                               RefundState)
 from refundops.policy import (Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_input,
                               policy_version)
-from refundops.rows import Columns, cache_related, insert, save_new
+from refundops.rows import Columns, Prepared, cache_related, insert, save_new
 from refundops.selectors import active_limits, active_rules, policy_in_force, running_totals, totals_and_pause
 from refundops.services.reconciliation import open_discrepancy_on
 
@@ -380,23 +380,38 @@ def _insert_with_history(refund: Refund, rows: list[tuple[Refund, str, str, date
     refund's INSERT, and its history rows made from the row it returns, each with the fields where
     its state differs (``rows``: the states in order, the last one ``refund`` itself)."""
     history = _historical_refund()
-    fields = Refund._meta.concrete_fields
-    values = [f.get_db_prep_save(f.pre_save(refund, True), connection) for f in fields]  # sets the auto dates
+    params = _refund_values()(refund)  # sets the auto dates
     for state, *_ in rows:
         state.created_at, state.updated_at = refund.created_at, refund.updated_at
-    differ = tuple(f.attname for f in history.tracked_fields
-                   if any(f.value_from_object(state) != f.value_from_object(refund) for state, *_ in rows))
+    tracked = _tracked_names()
+    differ = tuple(name for name in tracked
+                   if any(getattr(state, name) != getattr(refund, name) for state, *_ in rows))
     sql = _history_sql(differ, len(rows))
+    prepare = _history_values(differ)
     user = history.get_default_history_user(refund)
     user_id = user.pk if user is not None else None
-    params = list(values)
     for state, kind, reason, at in rows:
-        params += [history._meta.get_field(name).get_db_prep_save(getattr(state, name), connection)
-                   for name in differ]
+        params += prepare(state)
         params += [at, kind, user_id, reason]
     batching.defer(sql, params)  # in a batch, with the next statement
     refund._state.adding, refund._state.db = False, connection.alias  # as Model.save leaves it
     refund._update_initial_state()  # as ConcurrentTransitionMixin.save: the state it was saved in
+
+
+@functools.cache
+def _refund_values() -> Prepared:
+    return Prepared(Refund._meta.concrete_fields)
+
+
+@functools.cache
+def _tracked_names() -> tuple[str, ...]:
+    return tuple(f.attname for f in _historical_refund().tracked_fields)
+
+
+@functools.cache
+def _history_values(differ: tuple[str, ...]) -> Prepared:
+    """The values of a history row's fields named in ``differ``, each prepared as its history field."""
+    return Prepared([_historical_refund()._meta.get_field(name) for name in differ])
 
 
 @functools.cache
