@@ -113,6 +113,23 @@ def sender_cprofile(one, n: int, lines: int) -> None:
     stats.sort_stats("tottime").print_stats(lines)
 
 
+def backend_cpu(connection) -> float | None:
+    """CPU seconds (user and system) the PostgreSQL backend of ``connection`` has used, read from
+    /proc (the server on this machine): parsing, planning, executing, the protocol, all of it,
+    where pg_stat_statements counts planning and execution only. None when it cannot be read."""
+    import os
+
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            pid = cursor.fetchone()[0]
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300)
@@ -220,17 +237,27 @@ def main() -> None:
         against_inline(one, args.against_inline)
         return
 
+    backend = backend_cpu(connection)
     times, cpu, thread_cpu = [], time.process_time(), time.thread_time()
     for _ in range(n):
         start = time.perf_counter()
         one()
         times.append(time.perf_counter() - start)
     thread_cpu = time.thread_time() - thread_cpu
+    backend = backend_cpu(connection) - backend if backend is not None else None
     drain_sender()  # what the requests left to the sender, counted in the process's CPU below
     cpu = time.process_time() - cpu
     print(f"{n} requests: wall mean {statistics.mean(times) * 1000:.2f} ms, p50 {statistics.median(times) * 1000:.2f} ms;"
           f" CPU a request: the request's thread {thread_cpu / n * 1000:.2f} ms, other threads (the outbox's sender)"
-          f" {(cpu - thread_cpu) / n * 1000:.2f} ms, the whole (Django) process {cpu / n * 1000:.2f} ms")
+          f" {(cpu - thread_cpu) / n * 1000:.2f} ms, the whole (Django) process {cpu / n * 1000:.2f} ms"
+          + (f"; its PostgreSQL backend {backend / n * 1000:.2f} ms" if backend is not None else ""))
+
+    with connection.cursor() as cursor:  # refundops.batching's prepared statements, and the plans they run
+        cursor.execute("SELECT name, generic_plans, custom_plans FROM pg_prepared_statements ORDER BY name")
+        held = cursor.fetchall()
+    if held:
+        print(f"prepared on the request's connection: {len(held)};"
+              f" generic/custom plans: {', '.join(f'{name} {g}/{c}' for name, g, c in held)}")
 
     if stats:
         with psycopg.connect(f"{PG}/{DB_NAME}", autocommit=True) as pg:
