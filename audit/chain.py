@@ -51,10 +51,11 @@ def _plain(value: Any) -> Any:
     gives 1e2 back as 100, a datetime comes back in UTC, a Decimal with its field's places)."""
     if value is None or type(value) in _AS_IS:  # most values: spelled as they are (not a subclass)
         return value
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, dict):  # a plain value inside is kept without a call (most of a verdict's)
+        return {k if type(k) is str else str(k): v if v is None or type(v) in _AS_IS else _plain(v)
+                for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [v if v is None or type(v) in _AS_IS else _plain(v) for v in value]
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, datetime):

@@ -392,3 +392,22 @@ def test_the_unsealed_grace_is_measured_from_when_the_entry_was_written(settings
     settings.AUDIT_SEAL_GRACE_SECONDS = 60
     assert chain.overdue(now=entry.created_at + timedelta(seconds=59)) == []
     assert [e.pk for e in chain.overdue(now=entry.created_at + timedelta(seconds=61))] == [entry.pk]
+
+
+def test_the_canonical_spelling_of_every_kind_of_value_is_pinned():
+    """Digests of rows already in the chain are computed again at verification: the spelling may
+    never change (these bytes are what the code before 2026-12-01's faster _plain produced)."""
+    from datetime import date, datetime, time, timezone
+    from decimal import Decimal
+    from uuid import UUID
+
+    from refundops.models import RefundState
+
+    value = {"a": [1, 2.0, 2.5, None, True, "é", (3, 4.0),
+                   {"x": Decimal("1.50"), "y": [datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone(timedelta(hours=2)))]}],
+             1: "int key", None: "none key", False: "bool key", 2.0: "float key", "d": date(2026, 1, 2),
+             "t": time(1, 2), "u": UUID(int=5), "b": b"\x01\x02", "s": RefundState.APPROVED, "n": {"deep": [[[1.0]]]}}
+    assert chain.canonical(value) == (
+        b'{"1":"int key","2.0":"float key","False":"bool key","None":"none key","a":[1,2,2.5,null,true,"\xc3\xa9",[3,4],'
+        b'{"x":"1.5","y":["2026-01-02T01:04:05+00:00"]}],"b":"0102","d":"2026-01-02","n":{"deep":[[[1]]]},'
+        b'"s":"approved","t":"01:02:00","u":"00000000-0000-0000-0000-000000000005"}')
