@@ -8,14 +8,13 @@ import hmac
 import secrets
 from datetime import timedelta
 
-from django.db import connection
 from django.db.models import Exists
 from django.utils import timezone
 
 from refundops import batching
 from refundops.errors import ApiError
 from refundops.models import Agent, AgentKey, Merchant, PlatformState
-from refundops.rows import Columns, cache_related
+from refundops.rows import Columns, cache_related, db
 
 KEY_PREFIX_LENGTH = 11  # "rk_" + 8 characters: enough to name a key, useless to use it
 LAST_USED_RESOLUTION = timedelta(seconds=60)
@@ -55,7 +54,8 @@ def authenticate_key(raw: str | None) -> AgentKey:
 def _key_named(prefix: str) -> AgentKey | None:
     """The key with ``prefix``, its agent and the agent's merchant (as ``select_related``), and the
     operators' "all agents off" switch in the same query (``all_agents_disabled``)."""
-    if connection.vendor != "postgresql":
+    wrapper = db()
+    if wrapper.vendor != "postgresql":
         all_disabled = Exists(PlatformState.objects.filter(pk=1, agents_disabled=True))
         return (AgentKey.objects.select_related("agent__merchant").annotate(all_agents_disabled=all_disabled)
                 .filter(prefix=prefix).first())
@@ -67,7 +67,7 @@ def _key_named(prefix: str) -> AgentKey | None:
             f" {PlatformState._meta.db_table} s WHERE s.id = 1 AND s.agents_disabled)"
             f" FROM {AgentKey._meta.db_table} k JOIN {Agent._meta.db_table} a ON a.id = k.agent_id"
             f" JOIN {Merchant._meta.db_table} m ON m.id = a.merchant_id WHERE k.prefix = %s")
-    with connection.cursor() as cursor:
+    with wrapper.cursor() as cursor:
         cursor.execute(_KEY_SQL, [prefix])
         row = cursor.fetchone()
     if row is None:

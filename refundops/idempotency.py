@@ -14,6 +14,7 @@ from django.utils import timezone
 from refundops import batching
 from refundops.answers import encoded
 from refundops.models import IdempotencyRecord
+from refundops.rows import db
 
 
 def request_hash(operation: str, data: Any) -> str:
@@ -47,8 +48,9 @@ RETURNING id"""
 def claim(scope: str, key: str, operation: str, digest: str) -> Replay:
     """Inside the caller's transaction: take the key, or learn who has it. A concurrent first use
     blocks here on the unique index until it commits, then we replay its answer."""
-    now = connection.ops.adapt_datetimefield_value(timezone.now())
-    with connection.cursor() as cursor:
+    wrapper = db()
+    now = wrapper.ops.adapt_datetimefield_value(timezone.now())
+    with wrapper.cursor() as cursor:
         cursor.execute(_CLAIM_SQL, [scope, key, operation, digest, now])
         if cursor.fetchone() is not None:
             return Replay(record=None)

@@ -35,6 +35,7 @@ from django.db import connection
 
 from refundops import batching
 from refundops.models import Payment, PlatformState, Refund
+from refundops.rows import db
 
 FAST_PATH_SLOTS = 32
 HEADROOM_SHARE = 4  # a quarter of the global daily limit covers the fast-path decisions in flight
@@ -123,7 +124,8 @@ def lock_scopes(*, customer_id: str, agent_id: str | None, currency: str, exclus
     commit. ``exclusive``: the currency's global total too (a decision or a write that must see
     every refund in flight); else up to ``slots`` fast-path slots (``slots_for``) are tried.
     Taken before the running totals are read."""
-    if connection.vendor != "postgresql":
+    wrapper = db()
+    if wrapper.vendor != "postgresql":
         return ScopeLocks(exclusive=True, slots=0)
     keys = [("pg_advisory_xact_lock", _key("customer", customer_id))]
     if agent_id:
@@ -134,7 +136,7 @@ def lock_scopes(*, customer_id: str, agent_id: str | None, currency: str, exclus
     start = random.randrange(FAST_PATH_SLOTS)  # spread deciders over the slots
     ring = _slot_keys(currency)
     functions = tuple(function for function, _ in keys)
-    with connection.cursor() as cursor:
+    with wrapper.cursor() as cursor:
         if wanted:
             cursor.execute(_lock_sql(currency, functions), [start + 1, start, wanted, *(key for _, key in keys)])
         else:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import re
 from datetime import datetime, timedelta
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, JSONField, Q, Sum
 from django.utils import timezone
 
 from refundops import batching
 from refundops.models import COUNTING_STATES, HoldRules, Payment, PlatformState, PolicyDraft, Refund, RefundLimits
 from refundops.policy import Totals
+from refundops.rows import db
 
 
 def active_limits(currency: str) -> RefundLimits | None:
@@ -45,9 +46,10 @@ def policy_in_force(currency: str, *, shadows: bool = True) -> tuple[RefundLimit
                                                                      list[PolicyDraft]]:
     """``active_limits(currency)``, ``active_rules()`` and (when ``shadows``) ``shadow_drafts(currency)``,
     in one statement."""
-    if connection.vendor != "postgresql":
+    wrapper = db()
+    if wrapper.vendor != "postgresql":
         return active_limits(currency), active_rules(), shadow_drafts(currency) if shadows else []
-    with connection.cursor() as cursor:
+    with wrapper.cursor() as cursor:
         cursor.execute(_POLICY_SQL, {"currency": currency, "shadows": shadows,
                                      "draft": str(PolicyDraft.Status.DRAFT),
                                      "proposed": str(PolicyDraft.Status.PROPOSED),
@@ -63,7 +65,7 @@ def _from_json(model, row: dict | None):
     if row is None:
         return None
     fields = model._meta.concrete_fields
-    return model.from_db(connection.alias, [f.attname for f in fields],
+    return model.from_db(DEFAULT_DB_ALIAS, [f.attname for f in fields],
                          [row[f.column] if isinstance(f, JSONField) or row[f.column] is None
                           else f.to_python(row[f.column]) for f in fields])
 
@@ -148,12 +150,13 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
               "day": start_of_day(now), "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
               "velocity": now - timedelta(hours=velocity_hours),
               "cumulative": now - timedelta(hours=cumulative_hours), "agent_origin": str(Refund.Origin.AGENT)}
-    if connection.vendor != "postgresql":
+    wrapper = db()
+    if wrapper.vendor != "postgresql":
         latest = active_limits(payment.currency)
         state = PlatformState.current()
         return (_running_totals_orm(params), state.refunds_paused or state.agents_disabled,
                 latest.version if latest else 0)
-    with connection.cursor() as cursor:
+    with wrapper.cursor() as cursor:
         # The states and the agents' origin are in the statement (fixed by the code), not adapted
         # again on every request (the states' array element by element).
         cursor.execute(_TOTALS_SQL, {k: v for k, v in params.items() if k not in ("states", "agent_origin")})

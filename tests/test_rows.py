@@ -11,7 +11,7 @@ from django.db import connection
 from django.utils import timezone
 
 from audit.models import AuditEntry, Verdict
-from refundops.models import Refund, RefundState
+from refundops.models import Refund
 from refundops.rows import Prepared
 from refundops.services.refunds import _historical_refund
 

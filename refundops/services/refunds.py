@@ -11,7 +11,7 @@ from datetime import date, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DEFAULT_DB_ALIAS, connection, transaction
 from django.utils import timezone
 
 from audit.models import Verdict
@@ -26,7 +26,7 @@ from refundops.models import (RESERVING_STATES, Customer, LedgerDiscrepancy, Pay
                               RefundState)
 from refundops.policy import (Decision, RefundAsk, Totals, evaluate_refund, evaluate_resubmission, policy_input,
                               policy_version)
-from refundops.rows import Columns, Prepared, cache_related, insert, save_new
+from refundops.rows import Columns, Prepared, cache_related, db, insert, save_new
 from refundops.selectors import active_limits, active_rules, policy_in_force, running_totals, totals_and_pause
 from refundops.services.reconciliation import open_discrepancy_on
 
@@ -112,7 +112,8 @@ def _payment_to_decide_on(payment_id: str, *, lock: bool, merchant_id: str | Non
     refundops.locks.lock_payment), and in the same statement whether one of its reconciliation
     discrepancies is open (``ledger_mismatch``): the policy holds agent refunds then. Its customer
     comes with it, as ``select_related`` would bring it."""
-    if connection.vendor != "postgresql":
+    wrapper = db()
+    if wrapper.vendor != "postgresql":
         payments = Payment.objects.select_related("customer").annotate(ledger_mismatch=open_discrepancy_on())
         if lock:
             payments = payments.select_for_update(of=("self",))
@@ -120,7 +121,7 @@ def _payment_to_decide_on(payment_id: str, *, lock: bool, merchant_id: str | Non
         return (payments.filter(merchant_id=merchant_id) if merchant_id else payments).first()
     # The statement the ORM would write for the query above, without compiling it on every request.
     sql = _payment_sql(bool(merchant_id), lock)
-    with connection.cursor() as cursor:
+    with wrapper.cursor() as cursor:
         cursor.execute(sql, [str(LedgerDiscrepancy.Status.OPEN), payment_id, *([merchant_id] if merchant_id else [])])
         row = cursor.fetchone()
     if row is None:
@@ -394,7 +395,7 @@ def _insert_with_history(refund: Refund, rows: list[tuple[Refund, str, str, date
         params += prepare(state)
         params += [at, kind, user_id, reason]
     batching.defer(sql, params)  # in a batch, with the next statement
-    refund._state.adding, refund._state.db = False, connection.alias  # as Model.save leaves it
+    refund._state.adding, refund._state.db = False, DEFAULT_DB_ALIAS  # as Model.save leaves it
     refund._update_initial_state()  # as ConcurrentTransitionMixin.save: the state it was saved in
 
 
@@ -452,7 +453,7 @@ RETURNING amount_refunded_minor, amount_reserved_minor""".format(
 
 def sync_payment_amounts(payment: Payment) -> None:
     """Recompute what is refunded and reserved from the refunds themselves (under the row lock)."""
-    with connection.cursor() as cursor:
+    with db().cursor() as cursor:
         cursor.execute(_SYNC_SQL, [*(str(s) for s in (RefundState.SETTLED, *RESERVING_STATES)), payment.pk, payment.pk])
         payment.amount_refunded_minor, payment.amount_reserved_minor = cursor.fetchone()
 
