@@ -14,7 +14,9 @@ half-open → closed after ``BREAKER_HALF_OPEN_PROBES`` approved refunds while t
 normal; half-open → open again if a probe finds it still abnormal.
 
 Callers pass ``now`` (tests move it). The refunds service records a refund once its transaction
-commits. Racing records can at worst close a half-open breaker a probe early; the one transition
+commits: an outbox row that the outbox's sender counts itself, in its process (refundops.tasks,
+``count_in_sender``), or that the relay hands to a worker (``count_agent_refund``). A trip's mail
+to the operators is a task of its own, sent through the outbox when the breaker opens. Racing records can at worst close a half-open breaker a probe early; the one transition
 that alerts (closed → open) is guarded in Redis (HSETNX), so operators hear of it once.
 """
 
@@ -22,10 +24,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
+from contextlib import nullcontext
 from datetime import datetime
 from typing import Literal
 
 import redis
+import structlog
 from redis.commands.core import Script
 from django.conf import settings
 from django.core.mail import mail_admins, send_mail
@@ -33,6 +38,7 @@ from django.db import transaction
 
 from audit.services import record_audit
 from processors.money import currency_exponent, format_minor
+from refundops import outbox
 from refundops.ratelimit import redis_client, redis_key, store_unavailable
 
 log = logging.getLogger(__name__)
@@ -119,36 +125,82 @@ def record_refund(amount_minor: int, currency: str, now: datetime) -> None:
     count, the sums of the baseline and of the window, the clean-up of minutes past the baseline
     and the state are one script in Redis (one round trip, a reply of six values, not the 130
     buckets a pipeline of HMGETs brought back to be summed here)."""
+    record_refunds([(amount_minor, currency, now)], judged_alone=False)
+
+
+def record_refunds(refunds: Sequence[tuple[int, str, datetime]], *,
+                   request_ids: Sequence[str | None] | None = None, judged_alone: bool = True) -> None:
+    """:func:`record_refund` for several (the outbox's sender's batch): the scripts in one pipeline,
+    one round trip; then each reply judged in turn, under the id of the request that approved it
+    (``request_ids``). Raises ApiError (SERVICE_UNAVAILABLE) when Redis is away: none was counted.
+    ``judged_alone``: once counted, a refund whose judgement fails (its trip's audit entry not
+    written) is logged and the others are judged, rather than have every count of the batch sent
+    again; the breaker's state is in Redis already, and "breaker opened" logged at ERROR."""
     window = int(setting("BREAKER_WINDOW_MINUTES"))
     baseline = int(setting("BREAKER_BASELINE_MINUTES"))
-    minute = int(now.timestamp() // 60)
-    first = minute - window - baseline + 1  # the baseline's first minute; the window ends at this one
+    ttl = (window + baseline + 1) * 60
+    calls = []
+    for amount_minor, currency, now in refunds:
+        minute = int(now.timestamp() // 60)
+        first = minute - window - baseline + 1  # the baseline's first minute; the window ends at this one
+        calls.append(([_series_key("n"), _series_key(f"v:{currency}"), _state_key()],
+                      [minute, amount_minor, first, baseline, ttl]))
     client = redis_client()
     try:
-        base_count, base_value, count, value, state = _record_script(client)(
-            keys=[_series_key("n"), _series_key(f"v:{currency}"), _state_key()],
-            args=[minute, amount_minor, first, baseline, (window + baseline + 1) * 60], client=client)
-        base_count, base_value, count, value = (_integer(x) for x in (base_count, base_value, count, value))
-        phase = _phase(dict(zip(state[::2], state[1::2])), now)
-        factor = setting("BREAKER_FACTOR")
-        count_limit = max(setting("BREAKER_MIN_COUNT"), factor * base_count * window / baseline)
-        value_limit = max(setting("BREAKER_MIN_VALUE") * 10 ** currency_exponent(currency),
-                          factor * base_value * window / baseline)
-        why = (f"{count} agent refunds in {window} minutes, over the limit of {count_limit:.0f}"
-               if count > count_limit else
-               f"{format_minor(value, currency)} of agent refunds in {window} minutes, over the limit of "
-               f"{format_minor(int(value_limit), currency)}" if value > value_limit else "")
-        if why and phase in ("closed", "half_open"):
-            _open(client, why=why, now=now, first=phase == "closed")
-        elif phase == "half_open":
-            if client.hincrby(_state_key(), "successes", 1) >= setting("BREAKER_HALF_OPEN_PROBES"):
-                client.delete(_state_key())
-                log.warning("breaker closed: agent refund volume is normal again")
-                record_audit(actor=ACTOR, action="breaker.closed", subject_type="breaker",
-                             subject_id="agent_refunds", data={"at": now.isoformat()})
+        replies = _run_scripts(client, calls)
+        for i, ((_, currency, now), reply) in enumerate(zip(refunds, replies, strict=True)):
+            request_id = request_ids[i] if request_ids else None
+            with structlog.contextvars.bound_contextvars(request_id=request_id) if request_id else nullcontext():
+                try:
+                    _judge(client, reply, currency=currency, now=now, window=window, baseline=baseline)
+                except Exception:
+                    if not judged_alone:
+                        raise
+                    log.exception("breaker: a counted refund could not be judged")
     except redis.RedisError as exc:
         log.error("breaker: Redis unreachable (%s); failing closed", exc)
         raise store_unavailable("circuit breaker") from exc
+
+
+def _run_scripts(client: redis.Redis, calls: list[tuple[list[str], list[int]]]) -> list:
+    script = _record_script(client)
+    if len(calls) == 1:
+        (keys, args), = calls
+        return [script(keys=keys, args=args, client=client)]  # redis-py loads it after NOSCRIPT
+    for attempt in (1, 2):
+        pipe = client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        try:
+            return pipe.execute()
+        except redis.exceptions.NoScriptError:  # a restarted or flushed Redis: none of them ran
+            if attempt == 2:
+                raise
+            client.script_load(script.script)
+    raise AssertionError("unreachable")
+
+
+def _judge(client: redis.Redis, reply: list, *, currency: str, now: datetime, window: int, baseline: int) -> None:
+    """Trip, re-open or close the breaker as one counted refund's reply says."""
+    base_count, base_value, count, value, state = reply
+    base_count, base_value, count, value = (_integer(x) for x in (base_count, base_value, count, value))
+    phase = _phase(dict(zip(state[::2], state[1::2])), now)
+    factor = setting("BREAKER_FACTOR")
+    count_limit = max(setting("BREAKER_MIN_COUNT"), factor * base_count * window / baseline)
+    value_limit = max(setting("BREAKER_MIN_VALUE") * 10 ** currency_exponent(currency),
+                      factor * base_value * window / baseline)
+    why = (f"{count} agent refunds in {window} minutes, over the limit of {count_limit:.0f}"
+           if count > count_limit else
+           f"{format_minor(value, currency)} of agent refunds in {window} minutes, over the limit of "
+           f"{format_minor(int(value_limit), currency)}" if value > value_limit else "")
+    if why and phase in ("closed", "half_open"):
+        _open(client, why=why, now=now, first=phase == "closed")
+    elif phase == "half_open":
+        if client.hincrby(_state_key(), "successes", 1) >= setting("BREAKER_HALF_OPEN_PROBES"):
+            client.delete(_state_key())
+            log.warning("breaker closed: agent refund volume is normal again")
+            record_audit(actor=ACTOR, action="breaker.closed", subject_type="breaker",
+                         subject_id="agent_refunds", data={"at": now.isoformat()})
 
 
 def _integer(reply: bytes | str | int) -> int:
@@ -168,12 +220,16 @@ def _open(client: redis.Redis, *, why: str, now: datetime, first: bool) -> None:
                f"{setting('BREAKER_COOLDOWN_SECONDS'):.0f} seconds. Investigate the agents now; the kill "
                f"switch (manage.py killswitch on) pauses them until you turn it off.")
     log.error("breaker opened: %s", why)
-    record_audit(actor=ACTOR, action="breaker.opened", subject_type="breaker", subject_id="agent_refunds",
-                 data={"reason": why, "at": now.isoformat(), "reopened": not first})
-    transaction.on_commit(lambda: _mail_operators("RefundOps: agent refunds paused by the breaker", message))
+    with transaction.atomic():  # the entry and the mail's row: both or neither
+        record_audit(actor=ACTOR, action="breaker.opened", subject_type="breaker", subject_id="agent_refunds",
+                     data={"reason": why, "at": now.isoformat(), "reopened": not first})
+        # Mailed by a worker (refundops.tasks.mail_operators) through the outbox: never from the
+        # thread that counted (the outbox's sender, or a worker's count) nor from a request's.
+        outbox.send_after_commit("refundops.tasks.mail_operators",
+                                 {"subject": "RefundOps: agent refunds paused by the breaker", "message": message})
 
 
-def _mail_operators(subject: str, message: str) -> None:
+def mail_operators(subject: str, message: str) -> None:
     try:
         if settings.OPERATOR_EMAILS:
             send_mail(subject, message, settings.DEFAULT_FROM_EMAIL, settings.OPERATOR_EMAILS)

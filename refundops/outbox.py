@@ -76,6 +76,19 @@ RETURNING id, task, kwargs, queue"""
 _SENT_SQL = f"UPDATE {_TABLE} SET sent_at = %s WHERE id = ANY(%s)"
 
 
+_RUN_IN_SENDER: dict[str, Callable[..., None]] = {}
+
+
+def run_in_sender(task: str, run: Callable[[list[tuple[dict[str, Any], str | None]]], None]) -> None:
+    """Have this process's sender run ``task`` itself instead of publishing it (a short effect,
+    safe to run twice, that would cost a worker more to receive than to do: the breaker's count):
+    ``run`` gets a batch's rows of ``task`` at once, each as (kwargs, the committing request's id).
+    The rows are still the outbox's: marked sent once ``run`` returned; if it raises, they are the
+    relay's, which publishes ``task`` for a worker. Only the sender does this: the relay, eager
+    tasks and a task's own nudge publish ``task`` as for any row."""
+    _RUN_IN_SENDER[task] = run
+
+
 def send_after_commit(task: str, kwargs: dict[str, Any], *, queue: str = "") -> OutboxMessage:
     """Run ``task(**kwargs)`` once the caller's transaction commits, and never lose it: the row is
     written in that transaction, and a failed send is retried by the relay. ``kwargs`` are JSON."""
@@ -215,6 +228,13 @@ class _Publisher:
         return self.app is current_app._get_current_object() and self.app.conf.broker_url == self.broker_url
 
     def publish(self, name: str, kwargs: dict[str, Any], queue: str, request_id: str | None) -> None:
+        try:
+            self._publish(name, kwargs, queue, request_id)
+        except BaseException:
+            self.broken = True  # whatever it was, the next batch starts on a new producer
+            raise
+
+    def _publish(self, name: str, kwargs: dict[str, Any], queue: str, request_id: str | None) -> None:
         if self.batch is None:
             self.batch = self.producer.batch(max_size=SENDER_BATCH * 4)
             self.batch.__enter__()
@@ -476,25 +496,37 @@ def send_claimed(rows: list[tuple], *, retry: bool = True, request_ids: dict[int
             sent.append(message_id)
 
     if publisher is not None:
+        ran: list[int] = []  # run here (run_in_sender): done, whatever becomes of the batch's publish
+        here: dict[str, list[tuple[int, dict[str, Any], str | None]]] = {}
         for message_id, task, kwargs, queue in rows:
+            request_id = request_ids.get(message_id) if request_ids else None
             try:
                 if isinstance(kwargs, str):  # Django reads jsonb as text on a raw cursor
                     kwargs = json.loads(kwargs)
-                publisher.publish(task, kwargs, queue, request_ids.get(message_id) if request_ids else None)
+                if task in _RUN_IN_SENDER:
+                    here.setdefault(task, []).append((message_id, kwargs, request_id))
+                    continue
+                publisher.publish(task, kwargs, queue, request_id)
             except Exception as exc:  # noqa: BLE001 - a message refused, or a task this process lacks
                 failed.append((message_id, task, exc))
-                publisher.broken = True  # whatever it was, the next batch starts on a new one
             else:
                 sent.append(message_id)
+        for task, items in here.items():
+            try:
+                _RUN_IN_SENDER[task]([(kwargs, request_id) for _, kwargs, request_id in items])
+            except Exception as exc:  # noqa: BLE001 - e.g. the breaker's Redis away: the relay's
+                failed.extend((message_id, task, exc) for message_id, _, _ in items)
+            else:
+                ran.extend(message_id for message_id, _, _ in items)
         try:
             publisher.flush()
-        except Exception as exc:  # noqa: BLE001 - the batch's flush: none of it went
+        except Exception as exc:  # noqa: BLE001 - the batch's flush: none of its messages went
             publisher.broken = True
             lost = set(sent)
             failed.extend((message_id, task, exc) for message_id, task, _, _ in rows if message_id in lost)
             sent = []
-        _record(sent, failed)
-        return len(sent)
+        _record(sent + ran, failed)
+        return len(sent) + len(ran)
     if retry or current_app.conf.task_always_eager:
         # Eager tasks run here, inside the publish: one that nudges its own rows would ask the
         # broker's pool for a second producer while holding the first (threads doing so at once

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 from datetime import datetime, timedelta
+from typing import Any
 
 from celery import shared_task
 from django.conf import settings
@@ -157,11 +158,32 @@ def relay_outbox() -> int:
 
 @shared_task(bind=True, max_retries=10)
 def count_agent_refund(self, *, amount_minor: int, currency: str, at: str) -> None:
-    """The breaker's count of one approved agent refund, in the minute it was approved."""
+    """The breaker's count of one approved agent refund, in the minute it was approved: the
+    relay's and an eager run's. The outbox's sender counts the rows it sends itself
+    (:func:`count_in_sender`)."""
     try:
         breaker.record_refund(amount_minor, currency, datetime.fromisoformat(at))
     except ApiError:  # its Redis is away: count it when it is back, still in its own minute
         raise self.retry(countdown=5) from None
+
+
+def count_in_sender(rows: list[tuple[dict[str, Any], str | None]]) -> None:
+    """The breaker's counts of a batch of the outbox's sender, run in its own thread instead of a
+    message each for a worker (one pipeline of Redis scripts for the batch, against a Celery message
+    built, sent, received and run for each). ``rows``: each row's kwargs and the id of the request
+    that approved it. The rows are still the outbox's: marked sent once counted; with Redis away
+    (ApiError, none counted) the relay's, which sends ``count_agent_refund`` to a worker."""
+    breaker.record_refunds([(kwargs["amount_minor"], kwargs["currency"], datetime.fromisoformat(kwargs["at"]))
+                            for kwargs, _ in rows], request_ids=[request_id for _, request_id in rows])
+
+
+outbox.run_in_sender("refundops.tasks.count_agent_refund", count_in_sender)
+
+
+@shared_task
+def mail_operators(*, subject: str, message: str) -> None:
+    """Mail the operators (the breaker's trip): by a worker, never in a request's thread."""
+    breaker.mail_operators(subject, message)
 
 
 @shared_task

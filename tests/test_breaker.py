@@ -157,6 +157,29 @@ def test_sums_of_large_values_stay_exact(tuned):
     assert "1,200,000,000,000.03 USD" in AuditEntry.objects.get(action="breaker.opened").data["reason"]
 
 
+@pytest.mark.django_db
+def test_a_batch_of_counts_goes_in_one_round_trip_and_trips_as_one_by_one(tuned, monkeypatch):
+    """The outbox's sender counts its batch's refunds together (breaker.record_refunds): one
+    pipeline of the script, loaded again if Redis has lost it; then each reply judged in turn, so
+    the eleventh trips the breaker and the twelfth, which saw it closed, alerts no one again."""
+    import redis as redis_py
+
+    from processors.redis_client import redis_client
+
+    fresh = f"{breaker._RECORD_LUA}\n-- {uuid.uuid4().hex}"  # a script this Redis has never seen: NOSCRIPT
+    monkeypatch.setattr(breaker, "_record_script", lambda client: client.register_script(fresh))
+    pipelines = []
+    execute = redis_py.client.Pipeline.execute
+    monkeypatch.setattr(redis_py.client.Pipeline, "execute", lambda self, *a, **kw: pipelines.append(
+        len(self.command_stack)) or execute(self, *a, **kw))
+    breaker.record_refunds([(100, "USD", T0)] * 12, request_ids=[f"req-{i}" for i in range(12)])
+    assert pipelines == [12, 12]  # refused once (NOSCRIPT, none ran), loaded, sent again
+    assert sum(int(n) for n in redis_client().hvals(breaker._series_key("n"))) == 12
+    assert breaker.status(now=T0) == "open"
+    (entry,) = AuditEntry.objects.filter(action="breaker.opened")
+    assert "11 agent refunds in 5 minutes" in entry.data["reason"]
+
+
 def test_without_redis_the_breaker_fails_closed(settings):
     settings.REDIS_URL = "redis://127.0.0.1:1/0"
     with pytest.raises(ApiError) as refused:
@@ -164,6 +187,8 @@ def test_without_redis_the_breaker_fails_closed(settings):
     assert refused.value.code == "SERVICE_UNAVAILABLE"
     with pytest.raises(ApiError):
         breaker.record_refund(100, "USD", T0)
+    with pytest.raises(ApiError):  # a batch (the outbox's sender's): none counted, every row the relay's
+        breaker.record_refunds([(100, "USD", T0)] * 2)
 
 
 @pytest.mark.django_db

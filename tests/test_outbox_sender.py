@@ -106,8 +106,17 @@ def test_the_api_answers_while_the_broker_has_not_taken_the_effects_and_they_go_
     assert all(m.sent_at is not None and m.tries == 1 for m in OutboxMessage.objects.all())
     refund_id = response.json()["refund"]["id"]
     assert queued("payments.sandbox") == [{"task": "refundops.tasks.submit_refund", "kwargs": {"refund_id": refund_id}}]
-    assert [m["task"] for m in queued("default")] == ["refundops.tasks.count_agent_refund"]
+    assert queued("default") == []  # the breaker's count: run by the sender itself, not a message
+    assert breaker_counted() == 1
     assert outbox.relay_unsent(older_than_seconds=0) == 0  # sent once: nothing left for the relay
+
+
+def breaker_counted() -> int:
+    """Agent refunds the breaker has counted, every minute together."""
+    from processors.redis_client import redis_client
+    from refundops import breaker
+
+    return sum(int(n) for n in redis_client().hvals(breaker._series_key("n")))
 
 
 def request_ids_queued(queue: str) -> dict[str, str | None]:
@@ -140,8 +149,7 @@ def test_each_effect_carries_the_request_id_of_the_request_that_committed_it(api
         commit("no-request")  # nothing bound: a command's or the MCP stdio server's
         held_broker.release()
     assert request_ids_queued("payments.sandbox") == {response.json()["refund"]["id"]: "req-api-1"}
-    assert request_ids_queued("default") == {"refundops.tasks.count_agent_refund": "req-api-1",
-                                             "a": "req-a", "b": "req-b", "no-request": None}
+    assert request_ids_queued("default") == {"a": "req-a", "b": "req-b", "no-request": None}
 
 
 def test_commits_made_while_the_sender_is_busy_go_out_in_one_batch(held_broker, monkeypatch):
@@ -362,8 +370,7 @@ def test_the_sender_publishes_each_message_as_apply_async_would():
     properties, routing (the router's queue for a submission written without one)."""
     rows = [("refundops.tasks.submit_refund", {"refund_id": "rf_nowhere"}, ""),  # the router: payments.sandbox
             (POLL, {"refund_id": "rf_polled"}, "default"),
-            ("refundops.tasks.count_agent_refund", {"amount_minor": 500, "currency": "USD",
-                                                    "at": "2026-12-01T08:00:00+00:00"}, "")]
+            ("refundops.tasks.deliver_webhook", {"delivery_id": "wd_nowhere"}, "")]
     with broker_at(django_settings.REDIS_URL):
         bind_request_id("req-sent")
         try:
@@ -456,3 +463,63 @@ def test_commits_made_while_the_sender_lingers_go_out_in_one_batch_and_a_stop_en
         assert time.monotonic() - started < 10
     assert claims == [4]
     assert sent_names() == ["first", "second-a", "second-b", "third"]
+
+
+COUNT = "refundops.tasks.count_agent_refund"
+
+
+def commit_count(amount_minor: int = 500) -> int:
+    with transaction.atomic():
+        return outbox.send_after_commit(COUNT, {"amount_minor": amount_minor, "currency": "USD",
+                                                "at": "2026-12-01T08:00:00+00:00"}).pk
+
+
+def test_the_sender_counts_for_the_breaker_itself_and_without_its_redis_leaves_the_count_to_the_relay(settings):
+    """The breaker's count is run by the sender in its process (one Redis script), not sent to a
+    worker; its row is still the outbox's: with the breaker's Redis away it is kept, and the relay
+    sends it to a worker as count_agent_refund."""
+    redis_url = django_settings.REDIS_URL
+    with broker_at(redis_url):
+        commit_count()
+    assert breaker_counted() == 1 and queued("default") == []
+    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
+
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # the breaker's store, not the broker
+    with broker_at(redis_url):
+        kept = commit_count()
+    row = OutboxMessage.objects.get(pk=kept)
+    assert row.sent_at is None and row.tries == 1 and "ApiError" in row.last_error
+    settings.REDIS_URL = redis_url
+    assert breaker_counted() == 1
+
+    settings.OUTBOX_GRACE_SECONDS = 0
+    with broker_at(redis_url):
+        assert outbox.relay_unsent() == 1
+    assert [m["task"] for m in queued("default")] == [COUNT]  # for a worker, which retries while Redis is away
+
+
+def test_a_trip_counted_by_the_sender_mails_the_operators_through_a_worker(settings):
+    """The count that trips the breaker runs in the sender's thread; the operators' mail is a task
+    (refundops.tasks.mail_operators) sent through the outbox with the request's id, never mailed
+    from the sender, nor from a request's thread."""
+    from django.core import mail
+
+    from audit.models import AuditEntry
+
+    settings.BREAKER_MIN_COUNT = 0  # the first count trips it
+    settings.OPERATOR_EMAILS = ["ops@example.com"]
+    with broker_at(django_settings.REDIS_URL):
+        bind_request_id("req-trip")
+        try:
+            commit_count()
+        finally:
+            structlog.contextvars.clear_contextvars()
+    assert AuditEntry.objects.filter(action="breaker.opened").count() == 1
+    assert mail.outbox == []
+    assert [m["task"] for m in queued("default")] == ["refundops.tasks.mail_operators"]
+    assert queued("default")[0]["kwargs"]["subject"] == "RefundOps: agent refunds paused by the breaker"
+    assert request_ids_queued("default") == {"refundops.tasks.mail_operators": "req-trip"}
+    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
+
+    celery_app.tasks["refundops.tasks.mail_operators"](**queued("default")[0]["kwargs"])  # as a worker runs it
+    assert [m.to for m in mail.outbox] == [["ops@example.com"]]
