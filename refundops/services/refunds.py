@@ -385,8 +385,9 @@ def _insert_with_history(refund: Refund, rows: list[tuple[Refund, str, str, date
     for state, *_ in rows:
         state.created_at, state.updated_at = refund.created_at, refund.updated_at
     tracked = _tracked_names()
-    differ = tuple(name for name in tracked
-                   if any(getattr(state, name) != getattr(refund, name) for state, *_ in rows))
+    changed = {name for state, *_ in rows if state is not refund for name in tracked
+               if getattr(state, name) != getattr(refund, name)}
+    differ = tuple(name for name in tracked if name in changed)
     sql = _history_sql(differ, len(rows))
     prepare = _history_values(differ)
     user = history.get_default_history_user(refund)
