@@ -15,6 +15,7 @@ Calls go through :mod:`refundops.merchant_http`: public addresses only, checked 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -74,6 +75,15 @@ def announce_refund(refund: Refund, *, previous: str | None,
 _ENDPOINT = Columns(MerchantEndpoint, "e")
 
 
+@functools.cache
+def _endpoints_sql() -> str:
+    """``active_endpoints``' statement, made once: the same string every time (not rebuilt, nor
+    hashed anew by the prepared statements' look-ups, on every refund)."""
+    return batching.prepared(
+        f"SELECT {_ENDPOINT.sql} FROM {MerchantEndpoint._meta.db_table} e WHERE e.active AND e.merchant_id = "
+        f"(SELECT merchant_id FROM {Payment._meta.db_table} WHERE id = %s) ORDER BY e.id")
+
+
 def active_endpoints(refund: Refund, *, deferred: bool = False) -> list[MerchantEndpoint]:
     """The active endpoints of the refund's payment's merchant, in one query (a subquery for the
     merchant, not another statement). Every refund reads them, and usually finds none: on
@@ -84,8 +94,7 @@ def active_endpoints(refund: Refund, *, deferred: bool = False) -> list[Merchant
         merchant = Payment.objects.filter(pk=refund.payment_id).values("merchant_id")[:1]
         return list(MerchantEndpoint.objects.filter(active=True, merchant_id=Subquery(merchant)))
     endpoints: list[MerchantEndpoint] = []
-    sql = batching.prepared(f"SELECT {_ENDPOINT.sql} FROM {MerchantEndpoint._meta.db_table} e WHERE e.active AND e.merchant_id = "
-                            f"(SELECT merchant_id FROM {Payment._meta.db_table} WHERE id = %s) ORDER BY e.id")
+    sql = _endpoints_sql()
 
     def read(cursor) -> None:
         endpoints.extend(_ENDPOINT.make(row) for row in cursor.fetchall())
