@@ -105,12 +105,13 @@ _AS_IS: dict[type[Field], tuple[type, ...]] = {
 _STEPS = ("get_db_prep_save", "get_db_prep_value", "get_prep_value", "to_python")
 
 
-def _as_is(field: Field) -> tuple[type, ...]:
-    """The types of value ``field`` (a foreign key: its target) sends to PostgreSQL as they are."""
+def kept_types(field: Field) -> tuple[type, ...]:
+    """The types of value ``field`` (a foreign key: its target) sends to PostgreSQL as they are
+    (and, the same steps, that its to_python returns as they are)."""
     if isinstance(field, models.ForeignKey):
         if type(field).get_db_prep_save is not models.ForeignKey.get_db_prep_save:
             return ()
-        return _as_is(field.target_field) if field.target_field.empty_strings_allowed else ()
+        return kept_types(field.target_field) if field.target_field.empty_strings_allowed else ()
     base = next((cls for cls in type(field).__mro__ if cls in _AS_IS), None)
     if base is None or any(getattr(type(field), step) is not getattr(base, step) for step in _STEPS):
         return ()
@@ -120,14 +121,14 @@ def _as_is(field: Field) -> tuple[type, ...]:
 class Prepared:
     """``[field.get_db_prep_save(field.pre_save(obj, True), connection) for field in fields]``: the
     values an INSERT of ``obj`` sends, as the ORM prepares them. On PostgreSQL a value its field
-    gives back as it is (``_as_is``) skips the field's chain of calls: an approved refund's INSERTs
+    gives back as it is (``kept_types``) skips the field's chain of calls: an approved refund's INSERTs
     spent more on those calls than on binding the values."""
 
     def __init__(self, fields: Sequence[Field]) -> None:
         on_pg = connection.vendor == "postgresql"
         wraps = getattr(connection.ops, "integerfield_type_map", {}) if on_pg else {}
         self.fields = tuple(fields)
-        self.steps = [(field, field.attname, _as_is(field) if on_pg else (),
+        self.steps = [(field, field.attname, kept_types(field) if on_pg else (),
                        type(field).pre_save is not Field.pre_save,
                        wraps.get(field.target_field.get_internal_type() if isinstance(field, models.ForeignKey)
                                  else field.get_internal_type()))

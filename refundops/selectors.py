@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from datetime import datetime, timedelta
 
@@ -12,7 +13,7 @@ from django.utils import timezone
 from refundops import batching
 from refundops.models import COUNTING_STATES, HoldRules, Payment, PlatformState, PolicyDraft, Refund, RefundLimits
 from refundops.policy import Totals
-from refundops.rows import db
+from refundops.rows import kept_types, db
 
 
 def active_limits(currency: str) -> RefundLimits | None:
@@ -61,13 +62,20 @@ def policy_in_force(currency: str, *, shadows: bool = True) -> tuple[RefundLimit
 
 
 def _from_json(model, row: dict | None):
-    """A row read as JSON (``row_to_json``), as the ORM would have made it."""
+    """A row read as JSON (``row_to_json``), as the ORM would have made it: each value through its
+    field's to_python, unless JSON already gives it in the type to_python returns as it is."""
     if row is None:
         return None
+    names, columns = _json_columns(model)
+    return model.from_db(DEFAULT_DB_ALIAS, names,
+                         [value if value is None or keep or type(value) in as_is else field.to_python(value)
+                          for field, keep, as_is in columns for value in (row[field.column],)])
+
+
+@functools.cache
+def _json_columns(model) -> tuple[list[str], list[tuple]]:
     fields = model._meta.concrete_fields
-    return model.from_db(DEFAULT_DB_ALIAS, [f.attname for f in fields],
-                         [row[f.column] if isinstance(f, JSONField) or row[f.column] is None
-                          else f.to_python(row[f.column]) for f in fields])
+    return [f.attname for f in fields], [(f, isinstance(f, JSONField), kept_types(f)) for f in fields]
 
 
 def start_of_day(now: datetime) -> datetime:

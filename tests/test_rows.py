@@ -77,3 +77,19 @@ def test_history_fields_prepare_a_refunds_values_as_the_orm(frozen_now):
         theirs = [field.get_db_prep_save(getattr(refund, field.attname), connection) for field in fields]
         ours = Prepared(fields)(refund)
     same(ours, theirs)
+
+
+def test_the_policy_read_as_json_makes_the_orms_instances(policy):
+    """selectors.policy_in_force builds the limits and hold rules from row_to_json, taking a value
+    as it is where the field's to_python would: the same attributes, of the same types, as the ORM's."""
+    from refundops.models import PolicyDraft
+    from refundops.selectors import active_limits, active_rules, policy_in_force, shadow_drafts
+
+    PolicyDraft.objects.create(kind=PolicyDraft.Kind.RULES, shadow=True, created_by="t",
+                               values={"velocity_window_hours": 12})
+    limits, rules, drafts = policy_in_force("USD")
+    for ours, theirs in [(limits, active_limits("USD")), (rules, active_rules()),
+                         *zip(drafts, shadow_drafts("USD"), strict=True)]:
+        mine = {k: (type(v), v) for k, v in vars(ours).items() if k != "_state"}
+        orm = {k: (type(v), v) for k, v in vars(theirs).items() if k != "_state"}
+        assert mine == orm and ours._state.db == theirs._state.db and not ours._state.adding
