@@ -44,7 +44,10 @@ transactions to several server sessions, PgBouncer's transaction mode). PREPARE 
 not transactional: a round trip that fails may or may not have run those it carried, and a batch
 whose queue is dropped never sent them; either way the connection forgets every name and its next
 prepared statement goes after a ``DEALLOCATE ALL``, so no name is ever executed before its PREPARE
-has run nor prepared twice. Names are never reused on a connection.
+has run nor prepared twice. Names are never reused on a connection. A statement PostgreSQL
+refuses because a column it returns changed type since it was prepared (a migration: "cached plan
+must not change result type", answered to every EXECUTE until it is deallocated) makes the
+connection forget its names too, as a session reset does.
 """
 
 from __future__ import annotations
@@ -196,10 +199,13 @@ def _prepared_for(connection, sql: str, many: bool = False) -> _Prepared | None:
 
 
 def _gone(error: BaseException) -> bool:
-    """``error`` says a prepared statement is not there: the session was reset behind the
-    connection's back (a pooler's ``DISCARD ALL``, someone's ``DEALLOCATE ALL``)."""
-    return isinstance(error.__cause__ if not isinstance(error, psycopg.Error) else error,
-                      psycopg.errors.InvalidSqlStatementName)
+    """``error`` says a prepared statement is not there, or not usable: the session was reset behind
+    the connection's back (a pooler's ``DISCARD ALL``, someone's ``DEALLOCATE ALL``), or a column it
+    returns changed type since it was prepared (a migration: "cached plan must not change result
+    type", which PostgreSQL then answers to every EXECUTE of it until it is deallocated)."""
+    error = error.__cause__ if not isinstance(error, psycopg.Error) else error
+    return isinstance(error, (psycopg.errors.InvalidSqlStatementName,  # by SQLSTATE, not the message:
+                              psycopg.errors.FeatureNotSupported))  # lc_messages may translate it
 
 
 def _outside_batch(execute, sql, params, many, context):

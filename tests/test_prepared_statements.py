@@ -288,3 +288,40 @@ def test_a_pooled_connection_keeps_its_statements_across_checkouts(django_db_blo
     assert len(set(found["pids"])) == 1  # one session, checked out five times
     # Prepared once (one held), again after the failed batch's DEALLOCATE ALL (one held, not two).
     assert found["answers"] == [[1, 1], [2, 1], [3, 1], [4, 1], [5, 1]]
+
+
+@pytest.fixture
+def widened():
+    """A migration's ALTER ... TYPE on a column the hot statements return (a CharField's max_length
+    raised), undone afterwards."""
+    from refundops.models import AgentKey, Payment
+    columns = [(AgentKey._meta.db_table, "key_hash", 64), (Payment._meta.db_table, "processor_reference", 100)]
+
+    def widen(table, column, length):
+        connection.ensure_connection()
+        with connection.connection.cursor() as cursor:  # psycopg's own: not through the wrappers
+            cursor.execute(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE varchar({length})")
+
+    yield lambda: [widen(table, column, length + 1) for table, column, length in columns]
+    connection.close()
+    for table, column, length in columns:
+        widen(table, column, length)
+    connection.close()
+
+
+def test_a_column_a_prepared_statement_returns_changed_by_a_migration_heals(api, policy, widened):
+    """PostgreSQL refuses every EXECUTE of a statement prepared before a column it returns changed
+    type ('cached plan must not change result type'), until it is deallocated: a migration widening a
+    CharField would otherwise fail every request on every connection kept (CONN_MAX_AGE, the pool)
+    until it closes. The key's read, outside a transaction, is sent again after a DEALLOCATE ALL; the
+    payment's read, inside the refund's transaction, fails that one request at most, and the
+    connection forgets its names, so the next goes through."""
+    assert approved(api).status_code == 201
+    assert approved(api).status_code == 201  # past the first executions: generic plans
+    widened()
+    try:  # the payment's read in the refund's transaction: this one may fail
+        approved(api)
+    except DatabaseError:
+        pass
+    assert approved(api).status_code == 201
+    assert approved(api).status_code == 201
