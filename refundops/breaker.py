@@ -148,14 +148,19 @@ def record_refunds(refunds: Sequence[tuple[int, str, datetime]], *,
     client = redis_client()
     try:
         replies = _run_scripts(client, calls)
+        moved = False  # a judgement opened or closed the breaker: the later replies' state is stale
         for i, ((_, currency, now), reply) in enumerate(zip(refunds, replies, strict=True)):
             request_id = request_ids[i] if request_ids else None
             with structlog.contextvars.bound_contextvars(request_id=request_id) if request_id else nullcontext():
                 try:
-                    _judge(client, reply, currency=currency, now=now, window=window, baseline=baseline)
+                    if moved:  # every script ran before the first judgement: read the state as it is now
+                        reply = [*reply[:4], [x for item in client.hgetall(_state_key()).items() for x in item]]
+                    moved = _judge(client, reply, currency=currency, now=now, window=window,
+                                   baseline=baseline) or moved
                 except Exception:
                     if not judged_alone:
                         raise
+                    moved = True  # it may have written the state before it failed
                     log.exception("breaker: a counted refund could not be judged")
     except redis.RedisError as exc:
         log.error("breaker: Redis unreachable (%s); failing closed", exc)
@@ -180,8 +185,9 @@ def _run_scripts(client: redis.Redis, calls: list[tuple[list[str], list[int]]]) 
     raise AssertionError("unreachable")
 
 
-def _judge(client: redis.Redis, reply: list, *, currency: str, now: datetime, window: int, baseline: int) -> None:
-    """Trip, re-open or close the breaker as one counted refund's reply says."""
+def _judge(client: redis.Redis, reply: list, *, currency: str, now: datetime, window: int, baseline: int) -> bool:
+    """Trip, re-open or close the breaker as one counted refund's reply says; True if it opened or
+    closed it."""
     base_count, base_value, count, value, state = reply
     base_count, base_value, count, value = (_integer(x) for x in (base_count, base_value, count, value))
     phase = _phase(dict(zip(state[::2], state[1::2])), now)
@@ -195,12 +201,15 @@ def _judge(client: redis.Redis, reply: list, *, currency: str, now: datetime, wi
            f"{format_minor(int(value_limit), currency)}" if value > value_limit else "")
     if why and phase in ("closed", "half_open"):
         _open(client, why=why, now=now, first=phase == "closed")
-    elif phase == "half_open":
+        return True
+    if phase == "half_open":
         if client.hincrby(_state_key(), "successes", 1) >= setting("BREAKER_HALF_OPEN_PROBES"):
             client.delete(_state_key())
             log.warning("breaker closed: agent refund volume is normal again")
             record_audit(actor=ACTOR, action="breaker.closed", subject_type="breaker",
                          subject_id="agent_refunds", data={"at": now.isoformat()})
+            return True
+    return False
 
 
 def _integer(reply: bytes | str | int) -> int:

@@ -230,3 +230,18 @@ def test_a_breaker_that_opens_while_the_refund_waits_for_its_payment_still_refus
     monkeypatch.setattr(refunds, "_payment_to_decide_on", lock_then_trip)
     answer = post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 100, "reason": "duplicate"})
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "CIRCUIT_OPEN", answer.json()
+
+
+@pytest.mark.django_db
+def test_a_batch_whose_first_count_opens_a_half_open_breaker_again_does_not_close_it_with_the_rest(tuned):
+    """The sender's batch: every script of it ran (and read the state) before the first reply is
+    judged. A half-open breaker that the first count opens again stays open: the counts after it,
+    normal ones (another currency), are not probes of the half-open state their replies saw; one by
+    one, as a worker counts, each sees it open."""
+    record(11, at=T0)
+    later = T0 + timedelta(seconds=600)
+    assert breaker.status(now=later) == "half_open"
+    breaker.record_refunds([(200_000, "USD", later)] + [(100, "EUR", later)] * 3)  # 2,000.00 USD: over
+    assert breaker.status(now=later) == "open"
+    assert not AuditEntry.objects.filter(action="breaker.closed").exists()
+    assert AuditEntry.objects.filter(action="breaker.opened").order_by("id").last().data["reopened"] is True
