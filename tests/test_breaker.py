@@ -245,3 +245,23 @@ def test_a_batch_whose_first_count_opens_a_half_open_breaker_again_does_not_clos
     assert breaker.status(now=later) == "open"
     assert not AuditEntry.objects.filter(action="breaker.closed").exists()
     assert AuditEntry.objects.filter(action="breaker.opened").order_by("id").last().data["reopened"] is True
+
+
+@pytest.mark.django_db
+def test_a_baseline_of_a_week_still_counts_and_trips(tuned):
+    """The script reads the baseline's minutes in one HMGET: a week's baseline (10,080 minutes) is
+    more fields than Lua unpacks at once (8,000), so every count failed ("too many results to
+    unpack"), as Redis away, and the breaker never tripped. It counts, and trips, as with an hour."""
+    from processors.redis_client import redis_client
+
+    tuned.BREAKER_BASELINE_MINUTES = 7 * 24 * 60
+    three_days_ago = int(T0.timestamp() // 60) - 3 * 24 * 60  # in the baseline, past its first 1,000 minutes
+    redis_client().hincrby(breaker._series_key("v:USD"), three_days_ago, 10**12)
+    record(1, at=T0, amount=200_000)  # 2,000.00 USD: over the floor, not over 5x the week's rate
+    assert breaker.status(now=T0) == "closed"
+    record(9, at=T0)
+    assert breaker.status(now=T0) == "closed"
+    record(1, at=T0)
+    assert breaker.status(now=T0) == "open"
+    (entry,) = AuditEntry.objects.filter(action="breaker.opened")
+    assert "11 agent refunds in 5 minutes" in entry.data["reason"]
