@@ -44,15 +44,18 @@ transactions to several server sessions, PgBouncer's transaction mode). PREPARE 
 not transactional: a round trip that fails may or may not have run those it carried, and a batch
 whose queue is dropped never sent them; either way the connection forgets every name and its next
 prepared statement goes after a ``DEALLOCATE ALL``, so no name is ever executed before its PREPARE
-has run nor prepared twice. Names are never reused on a connection. A statement PostgreSQL
-refuses because a column it returns changed type since it was prepared (a migration: "cached plan
-must not change result type", answered to every EXECUTE until it is deallocated) makes the
-connection forget its names too, as a session reset does.
+has run nor prepared twice. Names are never reused on a connection, nor drawn alike by two (a
+random part each): on a session shared by mistake (that pooler, the setting left on), a name
+another client prepared is never taken for one's own statement (an error then, not its answer).
+A statement PostgreSQL refuses because a column it returns changed type since it was prepared (a
+migration: "cached plan must not change result type", answered to every EXECUTE until it is
+deallocated) makes the connection forget its names too, as a session reset does.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -135,6 +138,9 @@ class _Prepared:
         self.limit = limit
         self.names: OrderedDict[tuple[str, tuple[str, ...]], str] = OrderedDict()
         self.made = 0  # names drawn on this connection: never reused
+        # A connection's names are its own: behind a pooler that hands one server session to several
+        # clients (left on by mistake), another's refundops_1_payment is never taken for this one's.
+        self.token = secrets.token_hex(4)
         self.unsure = False  # a PREPARE or DEALLOCATE may or may not have run: forget them all
         self.literals = Transformer(raw)
         self.shaper = psycopg.ClientCursor(raw)
@@ -174,7 +180,7 @@ class _Prepared:
             self.made += 1
             label = _LABEL.search(sql)
             label = label[1].removeprefix("refundops_") if label else "q"
-            name = self.names[sql, types] = f"refundops_{self.made}_{label}"[:63]
+            name = self.names[sql, types] = f"refundops_{self.token}_{self.made}_{label}"[:63]
             first.append(f"PREPARE {name}" + (f" ({', '.join(types)})" if types else "") + f" AS {body}")
         else:
             self.names.move_to_end((sql, types))

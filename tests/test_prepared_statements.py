@@ -325,3 +325,43 @@ def test_a_column_a_prepared_statement_returns_changed_by_a_migration_heals(api,
         pass
     assert approved(api).status_code == 201
     assert approved(api).status_code == 201
+
+
+def test_a_name_prepared_by_another_client_on_the_same_session_is_never_taken_for_ones_own(scratch):
+    """Behind a pooler that hands one server session to several clients (PgBouncer's transaction
+    mode, with DATABASE_PREPARED_STATEMENTS left on), a client may find on its session names another
+    client prepared. Names drawn the same way by every connection (refundops_1_<table>, ...) then
+    name another statement there, with the same parameters: its EXECUTE would run that one and
+    answer wrongly without an error (the scope locks of another currency, the payment unlocked).
+    Each connection's names are its own: the EXECUTE finds no such statement (an error, healed as a
+    session reset is), never another client's."""
+    from django.db import connections
+
+    read_a = batching.prepared(f"SELECT 'a' FROM {scratch} WHERE n >= %s")
+    read_b = batching.prepared(f"SELECT 'b' FROM {scratch} WHERE n >= %s")
+    with connection.cursor() as cursor:
+        cursor.execute(f"INSERT INTO {scratch} (n) VALUES (1)")
+    other = connections.create_connection("default")
+    try:
+        connection.close()
+        with connection.cursor() as cursor:  # this client prepares read_a first on its session
+            cursor.execute(read_a, [0])
+            assert cursor.fetchone() == ("a",)
+        with other.cursor() as cursor:  # another client prepares read_b first on its own
+            cursor.execute(read_b, [0])
+            assert cursor.fetchone() == ("b",)
+        # The pooler now gives the other client's next transactions this client's session.
+        mine, theirs = connection.connection, other.connection
+        mine.refundops_prepared, theirs.refundops_prepared = theirs.refundops_prepared, mine.refundops_prepared
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(read_b, [0])
+                answer = cursor.fetchone()
+        except DatabaseError:  # not on this session: this request fails, the names are forgotten
+            answer = None
+        assert answer != ("a",)  # never the other statement's answer
+        with connection.cursor() as cursor:
+            cursor.execute(read_b, [0])
+            assert cursor.fetchone() == ("b",)
+    finally:
+        other.close()
