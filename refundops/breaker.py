@@ -16,8 +16,10 @@ normal; half-open → open again if a probe finds it still abnormal.
 Callers pass ``now`` (tests move it). The refunds service records a refund once its transaction
 commits: an outbox row that the outbox's sender counts itself, in its process (refundops.tasks,
 ``count_in_sender``), or that the relay hands to a worker (``count_agent_refund``). A trip's mail
-to the operators is a task of its own, sent through the outbox when the breaker opens. Racing records can at worst close a half-open breaker a probe early; the one transition
-that alerts (closed → open) is guarded in Redis (HSETNX), so operators hear of it once.
+to the operators is a task of its own, sent through the outbox when the breaker opens. A probe
+counts only on the opening it was read under (the same ``opened_at``, checked in Redis), so racing
+records never close a breaker that another count opened again; the one transition that alerts
+(closed → open) is guarded in Redis (HSETNX), so operators hear of it once.
 """
 
 from __future__ import annotations
@@ -116,6 +118,23 @@ return {text(sums[1]), text(sums[2]), text(sums[3]), text(sums[4]), redis.call('
 """
 
 
+# A probe of the half-open breaker, counted only on the opening its reply was read under (the same
+# opened_at): a count read half-open before another process (or an earlier reply of the batch)
+# opened it again is no probe of the new opening. Closes it (deletes the state) at the last probe.
+# KEYS: the state. ARGV: opened_at as read, the probes needed. 1: closed now; 0: counted; -1: stale.
+_PROBE_LUA = """
+if redis.call('HGET', KEYS[1], 'opened_at') ~= ARGV[1] then return -1 end
+if redis.call('HINCRBY', KEYS[1], 'successes', 1) < tonumber(ARGV[2]) then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+
+@functools.cache
+def _probe_script(client: redis.Redis) -> Script:
+    return client.register_script(_PROBE_LUA)
+
+
 @functools.cache
 def _record_script(client: redis.Redis) -> Script:
     """One per client: redis-py sends EVALSHA, and loads the script again after NOSCRIPT."""
@@ -192,7 +211,8 @@ def _judge(client: redis.Redis, reply: list, *, currency: str, now: datetime, wi
     closed it."""
     base_count, base_value, count, value, state = reply
     base_count, base_value, count, value = (_integer(x) for x in (base_count, base_value, count, value))
-    phase = _phase(dict(zip(state[::2], state[1::2])), now)
+    state = dict(zip(state[::2], state[1::2]))
+    phase = _phase(state, now)
     factor = setting("BREAKER_FACTOR")
     count_limit = max(setting("BREAKER_MIN_COUNT"), factor * base_count * window / baseline)
     value_limit = max(setting("BREAKER_MIN_VALUE") * 10 ** currency_exponent(currency),
@@ -205,8 +225,8 @@ def _judge(client: redis.Redis, reply: list, *, currency: str, now: datetime, wi
         _open(client, why=why, now=now, first=phase == "closed")
         return True
     if phase == "half_open":
-        if client.hincrby(_state_key(), "successes", 1) >= setting("BREAKER_HALF_OPEN_PROBES"):
-            client.delete(_state_key())
+        probes = int(setting("BREAKER_HALF_OPEN_PROBES"))
+        if _probe_script(client)(keys=[_state_key()], args=[state[b"opened_at"], probes], client=client) == 1:
             log.warning("breaker closed: agent refund volume is normal again")
             record_audit(actor=ACTOR, action="breaker.closed", subject_type="breaker",
                          subject_id="agent_refunds", data={"at": now.isoformat()})

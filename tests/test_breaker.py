@@ -265,3 +265,27 @@ def test_a_baseline_of_a_week_still_counts_and_trips(tuned):
     assert breaker.status(now=T0) == "open"
     (entry,) = AuditEntry.objects.filter(action="breaker.opened")
     assert "11 agent refunds in 5 minutes" in entry.data["reason"]
+
+
+@pytest.mark.django_db
+def test_probes_judged_on_a_half_open_state_another_process_has_opened_again_do_not_close_it(tuned):
+    """Two senders (two web processes) count at once: one's batch read the breaker half-open, then
+    the other's count opened it again, then the first judges its replies. Counted as probes of the
+    half-open state they saw, three normal counts closed the breaker a moment after it re-opened
+    (agent refunds through again at once); a probe counts only on the opening it was read under."""
+    from processors.redis_client import redis_client
+
+    record(11, at=T0)
+    later = T0 + timedelta(seconds=600)
+    client = redis_client()
+    window, baseline = 5, 60
+    first = int(later.timestamp() // 60) - window - baseline + 1
+    keys = [breaker._series_key("n"), breaker._series_key("v:EUR"), breaker._state_key()]
+    stale = breaker._run_scripts(client, [(keys, [int(later.timestamp() // 60), 100, first, baseline,
+                                                  (window + baseline + 1) * 60])] * 3)  # read: half-open
+    breaker.record_refund(200_000, "USD", later)  # the other process: 2,000.00 USD opens it again
+    assert breaker.status(now=later) == "open"
+    for reply in stale:
+        breaker._judge(client, reply, currency="EUR", now=later, window=window, baseline=baseline)
+    assert breaker.status(now=later) == "open"
+    assert not AuditEntry.objects.filter(action="breaker.closed").exists()
