@@ -200,6 +200,17 @@ def _clean_redis():
 
 
 @pytest.fixture
+def scratch():
+    """A table of the test's own, ``scratch (id, n int >= 0, t text)``, for statements the platform
+    does not make (batching, prepared statements); dropped after."""
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE TABLE scratch (id serial PRIMARY KEY, n int NOT NULL CHECK (n >= 0), t text)")
+    yield "scratch"
+    with connection.cursor() as cursor:
+        cursor.execute("DROP TABLE scratch")
+
+
+@pytest.fixture
 def quiet_breaker(settings):
     """For tests about totals: a burst of this size is the breaker's business elsewhere."""
     settings.BREAKER_MIN_COUNT = 10**6

@@ -18,15 +18,6 @@ from tests.conftest import make_payment, post
 pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, as in production
 
 
-@pytest.fixture
-def scratch():
-    with connection.cursor() as cursor:
-        cursor.execute("CREATE TABLE batching_scratch (id serial PRIMARY KEY, n int NOT NULL CHECK (n >= 0), t text)")
-    yield "batching_scratch"
-    with connection.cursor() as cursor:
-        cursor.execute("DROP TABLE batching_scratch")
-
-
 def count(table: str) -> int:
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT count(*) FROM {table}")

@@ -34,15 +34,6 @@ def _as_deployed(monkeypatch):
     monkeypatch.setitem(celery_app.conf, "task_always_eager", False)
 
 
-@pytest.fixture
-def scratch():
-    with connection.cursor() as cursor:
-        cursor.execute("CREATE TABLE prepared_scratch (id serial PRIMARY KEY, n int NOT NULL CHECK (n >= 0), t text)")
-    yield "prepared_scratch"
-    with connection.cursor() as cursor:
-        cursor.execute("DROP TABLE prepared_scratch")
-
-
 def server_names() -> list[str]:
     """The statements this connection's session holds prepared, by name."""
     with connection.connection.cursor() as cursor:  # psycopg's own: not through the wrappers
