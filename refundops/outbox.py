@@ -177,7 +177,10 @@ def _nudge(message_ids: list[int]) -> None:
     if current_app.conf.task_always_eager or get_current_task() is not None:
         _send_now(message_ids)
         return
-    sender = _running_sender()
+    # Committed by the sender's own thread (a trip's mail, from the breaker's count it ran): its
+    # own queue, even when stopping at exit (stop_sender has let go of it): it sends what is put
+    # before it ends, where a new sender would be killed by the exit while it lingered.
+    sender = getattr(_in_sender, "sender", None) or _running_sender()
     if sender is None:  # no new thread at interpreter shutdown
         _send_now(message_ids)
     else:
@@ -343,6 +346,7 @@ class _Sender:
                 log.warning("outbox: closing the sender's producer failed", exc_info=True)
 
     def _run(self) -> None:
+        _in_sender.sender = self
         try:
             while True:
                 with self.changed:
@@ -388,6 +392,7 @@ class _Sender:
 
 _sender: _Sender | None = None
 _sender_lock = threading.Lock()
+_in_sender = threading.local()  # .sender: in a sender's thread, that sender
 
 
 def _running_sender() -> _Sender | None:

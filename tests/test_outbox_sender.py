@@ -523,3 +523,35 @@ def test_a_trip_counted_by_the_sender_mails_the_operators_through_a_worker(setti
 
     celery_app.tasks["refundops.tasks.mail_operators"](**queued("default")[0]["kwargs"])  # as a worker runs it
     assert [m.to for m in mail.outbox] == [["ops@example.com"]]
+
+
+EXIT_RIGHT_AFTER_A_TRIP = """
+import os, sys, django
+os.environ["DJANGO_SETTINGS_MODULE"] = "refundops.settings"
+django.setup()
+from django.db import transaction
+from refundops import outbox
+from refundops.logs import bind_request_id
+bind_request_id("req-exit-trip")
+with transaction.atomic():
+    outbox.send_after_commit("refundops.tasks.count_agent_refund",
+                             {"amount_minor": 500, "currency": "USD", "at": "2026-12-01T08:00:00+00:00"})
+sys.exit(0)  # a graceful exit right after the commit: the sender counts it at exit, and it trips
+"""
+
+
+def test_a_trip_counted_by_the_sender_at_exit_sends_its_mail_before_the_process_ends():
+    """At exit the sender is stopping (stop_sender has let go of it) when the count it sends last
+    trips the breaker: the mail's row, committed in the sender's thread, goes out with it, not to a
+    new sender that the exit kills while it lingers (the operators would hear of the trip only when
+    the relay finds the row, OUTBOX_GRACE_SECONDS later, or a claim's 60 s after that)."""
+    from audit.models import AuditEntry
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_POOL", "DATABASE_CONN"))}
+    env.update(DATABASE_URL=database_url(), REDIS_URL=django_settings.REDIS_URL, CELERY_TASK_ALWAYS_EAGER="false",
+               REDIS_KEY_PREFIX=django_settings.REDIS_KEY_PREFIX, BREAKER_MIN_COUNT="0")
+    subprocess.run([sys.executable, "-c", EXIT_RIGHT_AFTER_A_TRIP], cwd=ROOT, env=env, check=True, timeout=120)
+    assert AuditEntry.objects.filter(action="breaker.opened").count() == 1
+    assert [m["task"] for m in queued("default")] == ["refundops.tasks.mail_operators"]
+    assert request_ids_queued("default") == {"refundops.tasks.mail_operators": "req-exit-trip"}
+    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
