@@ -17,7 +17,8 @@ Callers pass ``now`` (tests move it). The refunds service records a refund once 
 commits: an outbox row that the outbox's sender counts itself, in its process (refundops.tasks,
 ``count_in_sender``), or that the relay hands to a worker (``count_agent_refund``). A trip's mail
 to the operators is a task of its own, sent through the outbox when the breaker opens. A probe
-counts only on the opening it was read under (the same ``opened_at``, checked in Redis), so racing
+counts only on the opening it was read under (the same ``opened_at``, checked in Redis), and a refund
+is one probe however often its count is delivered (its id kept in the state), so racing
 records never close a breaker that another count opened again; the one transition that alerts
 (closed → open) is guarded in Redis (HSETNX), so operators hear of it once.
 """
@@ -121,9 +122,14 @@ return {text(sums[1]), text(sums[2]), text(sums[3]), text(sums[4]), redis.call('
 # A probe of the half-open breaker, counted only on the opening its reply was read under (the same
 # opened_at): a count read half-open before another process (or an earlier reply of the batch)
 # opened it again is no probe of the new opening. Closes it (deletes the state) at the last probe.
-# KEYS: the state. ARGV: opened_at as read, the probes needed. 1: closed now; 0: counted; -1: stale.
+# A refund is one probe however often its count is delivered (at least once: a count whose row's
+# mark failed is counted again by the relay's worker, a worker retries after a lost reply): its id
+# is kept in the state (a field "probe:<id>", gone with the state); counted again, it is no probe.
+# KEYS: the state. ARGV: opened_at as read, the probes needed, the refund's id (or "": none known).
+# 1: closed now; 0: counted (or counted before); -1: stale.
 _PROBE_LUA = """
 if redis.call('HGET', KEYS[1], 'opened_at') ~= ARGV[1] then return -1 end
+if ARGV[3] ~= '' and redis.call('HSETNX', KEYS[1], 'probe:' .. ARGV[3], 1) == 0 then return 0 end
 if redis.call('HINCRBY', KEYS[1], 'successes', 1) < tonumber(ARGV[2]) then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
@@ -141,19 +147,21 @@ def _record_script(client: redis.Redis) -> Script:
     return client.register_script(_RECORD_LUA)
 
 
-def record_refund(amount_minor: int, currency: str, now: datetime) -> None:
+def record_refund(amount_minor: int, currency: str, now: datetime, *, refund_id: str = "") -> None:
     """Count one approved agent refund; trip, re-open or close the breaker as the volume says. The
     count, the sums of the baseline and of the window, the clean-up of minutes past the baseline
     and the state are one script in Redis (one round trip, a reply of six values, not the 130
     buckets a pipeline of HMGETs brought back to be summed here)."""
-    record_refunds([(amount_minor, currency, now)], judged_alone=False)
+    record_refunds([(amount_minor, currency, now)], refund_ids=[refund_id], judged_alone=False)
 
 
 def record_refunds(refunds: Sequence[tuple[int, str, datetime]], *,
-                   request_ids: Sequence[str | None] | None = None, judged_alone: bool = True) -> None:
+                   request_ids: Sequence[str | None] | None = None, refund_ids: Sequence[str] | None = None,
+                   judged_alone: bool = True) -> None:
     """:func:`record_refund` for several (the outbox's sender's batch): the scripts in one pipeline,
     one round trip; then each reply judged in turn, under the id of the request that approved it
-    (``request_ids``). Raises ApiError (SERVICE_UNAVAILABLE) when Redis is away: none was counted.
+    (``request_ids``); ``refund_ids``: each count's refund, one probe however often it is counted.
+    Raises ApiError (SERVICE_UNAVAILABLE) when Redis is away: none was counted.
     ``judged_alone``: once counted, a refund whose judgement fails (its trip's audit entry not
     written) is logged and the others are judged, rather than have every count of the batch sent
     again; the breaker's state is in Redis already, and "breaker opened" logged at ERROR."""
@@ -176,8 +184,8 @@ def record_refunds(refunds: Sequence[tuple[int, str, datetime]], *,
                 try:
                     if moved:  # every script ran before the first judgement: read the state as it is now
                         reply = [*reply[:4], [x for item in client.hgetall(_state_key()).items() for x in item]]
-                    moved = _judge(client, reply, currency=currency, now=now, window=window,
-                                   baseline=baseline) or moved
+                    moved = _judge(client, reply, currency=currency, now=now, window=window, baseline=baseline,
+                                   refund_id=refund_ids[i] if refund_ids else "") or moved
                 except Exception:
                     if not judged_alone:
                         raise
@@ -206,7 +214,8 @@ def _run_scripts(client: redis.Redis, calls: list[tuple[list[str], list[int]]]) 
     raise AssertionError("unreachable")
 
 
-def _judge(client: redis.Redis, reply: list, *, currency: str, now: datetime, window: int, baseline: int) -> bool:
+def _judge(client: redis.Redis, reply: list, *, currency: str, now: datetime, window: int, baseline: int,
+           refund_id: str = "") -> bool:
     """Trip, re-open or close the breaker as one counted refund's reply says; True if it opened or
     closed it."""
     base_count, base_value, count, value, state = reply
@@ -226,7 +235,8 @@ def _judge(client: redis.Redis, reply: list, *, currency: str, now: datetime, wi
         return True
     if phase == "half_open":
         probes = int(setting("BREAKER_HALF_OPEN_PROBES"))
-        if _probe_script(client)(keys=[_state_key()], args=[state[b"opened_at"], probes], client=client) == 1:
+        if _probe_script(client)(keys=[_state_key()], args=[state[b"opened_at"], probes, refund_id or ""],
+                                        client=client) == 1:
             log.warning("breaker closed: agent refund volume is normal again")
             record_audit(actor=ACTOR, action="breaker.closed", subject_type="breaker",
                          subject_id="agent_refunds", data={"at": now.isoformat()})

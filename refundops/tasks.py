@@ -157,12 +157,13 @@ def relay_outbox() -> int:
 
 
 @shared_task(bind=True, max_retries=10)
-def count_agent_refund(self, *, amount_minor: int, currency: str, at: str) -> None:
+def count_agent_refund(self, *, amount_minor: int, currency: str, at: str, refund_id: str = "") -> None:
     """The breaker's count of one approved agent refund, in the minute it was approved: the
     relay's and an eager run's. The outbox's sender counts the rows it sends itself
-    (:func:`count_in_sender`)."""
+    (:func:`count_in_sender`). ``refund_id`` (rows written before it was sent have none): a count
+    delivered again is no second probe of a half-open breaker."""
     try:
-        breaker.record_refund(amount_minor, currency, datetime.fromisoformat(at))
+        breaker.record_refund(amount_minor, currency, datetime.fromisoformat(at), refund_id=refund_id)
     except ApiError:  # its Redis is away: count it when it is back, still in its own minute
         raise self.retry(countdown=5) from None
 
@@ -174,7 +175,8 @@ def count_in_sender(rows: list[tuple[dict[str, Any], str | None]]) -> None:
     that approved it. The rows are still the outbox's: marked sent once counted; with Redis away
     (ApiError, none counted) the relay's, which sends ``count_agent_refund`` to a worker."""
     breaker.record_refunds([(kwargs["amount_minor"], kwargs["currency"], datetime.fromisoformat(kwargs["at"]))
-                            for kwargs, _ in rows], request_ids=[request_id for _, request_id in rows])
+                            for kwargs, _ in rows], request_ids=[request_id for _, request_id in rows],
+                           refund_ids=[kwargs.get("refund_id", "") for kwargs, _ in rows])
 
 
 outbox.run_in_sender("refundops.tasks.count_agent_refund", count_in_sender)

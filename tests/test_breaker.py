@@ -289,3 +289,58 @@ def test_probes_judged_on_a_half_open_state_another_process_has_opened_again_do_
         breaker._judge(client, reply, currency="EUR", now=later, window=window, baseline=baseline)
     assert breaker.status(now=later) == "open"
     assert not AuditEntry.objects.filter(action="breaker.closed").exists()
+
+
+@pytest.mark.django_db
+def test_a_probe_counted_again_after_its_mark_failed_is_one_probe(api, policy, tuned, monkeypatch,
+                                                                    django_capture_on_commit_callbacks):
+    """A count is delivered at least once: counted, then its row's mark failed (or the process died,
+    or a reply was lost and the worker retried), the relay hands it to a worker, which counts it
+    again. Counted twice, the volume errs toward tripping; but a probe counted twice closed the
+    half-open breaker after fewer approved refunds than BREAKER_HALF_OPEN_PROBES (here two refunds,
+    each counted twice, closed it where three are needed). A refund is one probe however often its
+    count is delivered."""
+    from django.utils import timezone
+
+    from processors.redis_client import redis_client
+    from refundops import outbox
+    from refundops.models import OutboxMessage
+
+    redis_client().hset(breaker._state_key(), mapping={"opened_at": datetime.now(dt_timezone.utc).timestamp() - 601,
+                                                       "successes": 0, "reason": "a test"})
+    assert breaker.status(now=datetime.now(dt_timezone.utc)) == "half_open"
+    record_sent = outbox._record
+
+    def mark_fails(sent, failed):
+        raise RuntimeError("the connection dropped before the mark")
+
+    monkeypatch.setattr(outbox, "_record", mark_fails)
+    for _ in range(2):
+        with django_capture_on_commit_callbacks(execute=True):
+            answer = post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 100,
+                                                   "reason": "duplicate"})
+        assert answer.status_code == 201, answer.json()
+    assert breaker.status(now=datetime.now(dt_timezone.utc)) == "half_open"  # two probes of three
+    monkeypatch.setattr(outbox, "_record", record_sent)
+    OutboxMessage.objects.filter(sent_at__isnull=True).update(next_try_at=timezone.now())  # the claim ran out
+    assert outbox.relay_unsent(older_than_seconds=0) == 4  # each refund's count (and submission) again
+    assert breaker.status(now=datetime.now(dt_timezone.utc)) == "half_open"
+    assert not AuditEntry.objects.filter(action="breaker.closed").exists()
+
+
+@pytest.mark.django_db
+def test_a_probe_the_sender_counted_and_a_worker_counts_again_is_one_probe(tuned):
+    """The same, the first count run by the outbox's sender (count_in_sender), the second by a
+    worker (count_agent_refund): each refund is one probe."""
+    from refundops import tasks
+
+    record(11, at=T0)
+    later = T0 + timedelta(seconds=600)
+    rows = [({"amount_minor": 100, "currency": "USD", "at": later.isoformat(), "refund_id": f"rf_{n}"}, None)
+            for n in range(2)]
+    tasks.count_in_sender(rows)
+    for kwargs, _ in rows:
+        tasks.count_agent_refund.apply(kwargs=kwargs).get()
+    assert breaker.status(now=later) == "half_open"
+    tasks.count_in_sender([({**rows[0][0], "refund_id": "rf_third"}, None)])
+    assert breaker.status(now=later) == "closed"

@@ -237,7 +237,7 @@ def _decide_for_payment(*, caller: Caller, payment: Payment, ask: RefundInput, b
             # Counted once committed, outside the lock; is_open above already fails closed without Redis.
             outbox.send_after_commit("refundops.tasks.count_agent_refund",
                                      {"amount_minor": refund.amount_minor, "currency": refund.currency,
-                                      "at": now.isoformat()})
+                                      "at": now.isoformat(), "refund_id": refund.pk})
         save_new(new_audit_entry(actor=caller.label, action=f"refund.{refund.status}", subject_type="refund",
                                  subject_id=refund.pk, data={"verdict_id": verdict.id, "payment_id": payment.pk,
                                                              "amount_minor": refund.amount_minor,
