@@ -39,11 +39,13 @@ def grow_to(connection, volume: int) -> int:
         have = cursor.fetchone()[0]
         while have < volume:
             batch = min(have, volume - have)
-            # The id is the one column that must differ: a copy gets a random one.
             cursor.execute("CREATE TEMP TABLE IF NOT EXISTS bench_grow AS SELECT * FROM refundops_refund LIMIT 0")
             cursor.execute("TRUNCATE bench_grow")
             cursor.execute("INSERT INTO bench_grow SELECT * FROM refundops_refund ORDER BY id LIMIT %s", [batch])
-            cursor.execute("UPDATE bench_grow SET id = 'rf_' || replace(gen_random_uuid()::text, '-', '')")
+            # Each copy a session of its own (a conversation makes a refund or two): the session's
+            # sum, read by every decision, is the measured requests' one.
+            cursor.execute("UPDATE bench_grow SET id = 'rf_' || replace(gen_random_uuid()::text, '-', ''),"
+                           " agent_session_id = 'copy-' || left(md5(random()::text), 12)")
             cursor.execute("INSERT INTO refundops_refund SELECT * FROM bench_grow")
             have += batch
         cursor.execute("ANALYZE refundops_refund")
