@@ -2,12 +2,15 @@
 
     .venv/bin/python bench/day_volume.py [--volumes 0,5000,20000] [--requests 100] [--database NAME] [--json]
 
-The running totals (refundops/selectors.py, ``_TOTALS_SQL``) sum the currency's refunds of the day
-(the global daily limit) and the agent's refunds of the day and hour, so each decision reads every
-one of them: its cost grows with the day's volume. Recreates the database ``refundops_bench`` and
-seeds it as bench/refunds.py does, then for each volume brings the day's counting refunds of the
-one agent, in the one currency, up to it (copies of the refunds already made, inserted with SQL:
-the platform's own rows, not a table of the benchmark's) and sends ``--requests`` approved refunds
+Each decision reads the currency's total of the day (the global daily limit) and its agent's total
+of the day and of the last hour (refundops/selectors.py, ``_TOTALS_SQL``): summed from the day's
+refunds, they cost a decision more with every refund of the day; kept as they change
+(refundops/models/totals.py), the day's are a few rows a quarter hour, and only the last hour's
+refunds are summed. Recreates the database ``refundops_bench`` and seeds it as bench/refunds.py
+does, then for each volume brings the day's counting refunds of the one agent, in the one currency,
+up to it (copies of the refunds already made, inserted with SQL: the platform's own rows and
+trigger, each copy a session of its own, counted at a random time of the day so far; then one fold
+of the totals, as beat makes every few seconds) and sends ``--requests`` approved refunds
 through Django's test client in process (every middleware, DRF, the service; PostgreSQL on a
 persistent connection, as bench/profile_refund.py). Beside each, on the same connection and the
 same payments' table: the bare floor (bench/floor.py's view called directly: lock the payment,
@@ -32,8 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def grow_to(connection, volume: int) -> int:
-    """Copy the day's refunds until there are ``volume`` of them (at least as many as there are)."""
+def grow_to(connection, volume: int, *, day_start) -> int:
+    """Copy the day's refunds until there are ``volume`` of them (at least as many as there are),
+    each counted at a random time of the day so far (``day_start`` to now), as a day's refunds are."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT count(*) FROM refundops_refund")
         have = cursor.fetchone()[0]
@@ -45,10 +49,16 @@ def grow_to(connection, volume: int) -> int:
             # Each copy a session of its own (a conversation makes a refund or two): the session's
             # sum, read by every decision, is the measured requests' one.
             cursor.execute("UPDATE bench_grow SET id = 'rf_' || replace(gen_random_uuid()::text, '-', ''),"
-                           " agent_session_id = 'copy-' || left(md5(random()::text), 12)")
+                           " agent_session_id = 'copy-' || left(md5(random()::text), 12),"
+                           " counted_at = %(start)s + random() * (now() - %(start)s)", {"start": day_start})
             cursor.execute("INSERT INTO refundops_refund SELECT * FROM bench_grow")
             have += batch
         cursor.execute("ANALYZE refundops_refund")
+    try:  # what beat does every few seconds (refundops/services/totals.py), where the day's totals are kept
+        from refundops.services.totals import fold_totals
+    except ImportError:  # a tree from before them
+        return have
+    fold_totals()
     return have
 
 
@@ -71,7 +81,10 @@ def main() -> None:
     from django.db import connection
     from django.test import Client, RequestFactory
 
+    from django.utils import timezone
+
     from bench.floor import floor_refund
+    from refundops.selectors import start_of_day
 
     client, factory = Client(), RequestFactory()
     headers = {"Authorization": f"Bearer {keys[0]}"}
@@ -109,7 +122,7 @@ def main() -> None:
         print(f"{'day refunds':>11}  {'full p50 ms':>11} {'thread ms':>9} {'backend ms':>10}"
               f"  {'floor p50 ms':>12} {'thread ms':>9} {'backend ms':>10}  {'floor/full CPU':>14}")
     for volume in volumes:
-        have = grow_to(connection, volume)
+        have = grow_to(connection, volume, day_start=start_of_day(timezone.now()))
         full_p50, full_thread, full_backend = measure(full, n)
         drain_sender()
         floor_p50, floor_thread, floor_backend = measure(floor, n)

@@ -9,7 +9,8 @@ client through the ORM, then serves
 
 * full: the platform (bench.settings_full) behind gunicorn: key, capability, rate limits in Redis,
   idempotency, the payment's, customer's and agent's locks, running totals, the policy, verdict, refund, history,
-  audit entry, breaker count; Celery not eager, broker in Redis, no worker (the queue only fills);
+  audit entry, breaker count; Celery not eager, broker in Redis, no worker (the queue only fills;
+  the driver folds the day's totals every 5 s, as beat does);
 * floor: bench.floor, raw SQL in a plain Django view with no middleware on a persistent connection:
   lock the payment row, sum its refunds in a table of its own, insert one, commit;
 
@@ -34,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -178,6 +180,36 @@ def stop(server: subprocess.Popen) -> None:
     server.wait(timeout=30)
 
 
+class Folding(threading.Thread):
+    """What beat does in production every few seconds, here in the driver: fold the day's totals
+    (refundops/services/totals.py), so that a decision reads the buckets and not a run's worth of
+    rows. Nothing on a tree from before the totals were kept."""
+
+    def __init__(self, every: float = 5.0) -> None:
+        super().__init__(daemon=True)
+        self.every, self.halt = every, threading.Event()
+        try:
+            from refundops.services.totals import fold_totals
+        except ImportError:
+            return
+        self.fold = fold_totals
+        self.start()
+
+    def run(self) -> None:
+        from django.db import connection
+
+        try:
+            while not self.halt.wait(self.every):
+                self.fold()
+        finally:
+            connection.close()
+
+    def stop(self) -> None:
+        self.halt.set()
+        if self.is_alive():
+            self.join()
+
+
 @dataclass
 class Result:
     name: str
@@ -271,6 +303,7 @@ def main() -> None:
     def slice_(payments: list[list[str]], n: int) -> list[list[str]]:
         return [p[n * args.per_round:(n + 1) * args.per_round] for p in payments]
 
+    folding = Folding()
     try:
         for name, payments in (("full", full_payments), ("floor", floor_payments)):
             drive(name, servers[name][1], keys=keys, payments=slice_(payments, args.rounds), seconds=args.warmup,
@@ -281,6 +314,7 @@ def main() -> None:
                 runs[name].append(drive(name, servers[name][1], keys=keys, payments=slice_(payments, round_),
                                         seconds=args.seconds, wrk_threads=args.wrk_threads))
     finally:
+        folding.stop()
         for server, _ in servers.values():
             stop(server)
     results = [merged(name, rs) for name, rs in runs.items()]

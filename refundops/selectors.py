@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import functools
 import re
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, JSONField, Q, Sum
 from django.utils import timezone
 
 from refundops import batching
-from refundops.models import COUNTING_STATES, HoldRules, Payment, PlatformState, PolicyDraft, Refund, RefundLimits
+from refundops.models import (
+    BUCKET_SECONDS,
+    COUNTING_STATES,
+    HoldRules,
+    Payment,
+    PlatformState,
+    PolicyDraft,
+    Refund,
+    RefundLimits,
+    RefundTotalDelta,
+)
 from refundops.policy import Totals
 from refundops.rows import kept_types, db
 
@@ -82,6 +92,18 @@ def start_of_day(now: datetime) -> datetime:
     return timezone.localtime(now).replace(hour=0, minute=0, second=0, microsecond=0)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def first_bucket_from(at: datetime) -> datetime:
+    """The first bucket boundary of refundops.models.totals at or after ``at`` (``at`` itself at
+    midnight in any UTC offset in use): the day's totals are its buckets from there, and the
+    refunds between ``at`` and it, summed."""
+    since = at - _EPOCH  # exact, in whole microseconds
+    micros = (since.days * 86_400 + since.seconds) * 1_000_000 + since.microseconds
+    return _EPOCH + timedelta(seconds=-(-micros // (BUCKET_SECONDS * 1_000_000)) * BUCKET_SECONDS)
+
+
 def _sql_literal(value: str | tuple[str, ...]) -> str:
     """A value fixed by the code (a state, an origin, a tuple of them as an array), spelled in the
     statement as psycopg would bind it: not a parameter adapted again on every request. Plain
@@ -98,13 +120,23 @@ def _sql_literal(value: str | tuple[str, ...]) -> str:
 # the customer's refunds are found through the customer's payments (OFFSET 0 keeps the planner
 # from turning that into a scan of every recent refund).
 _TOTALS_SQL = batching.prepared("""
+WITH x AS (  -- the refund being decided, where the day's buckets count it
+  SELECT amount_minor, agent_id FROM {refund}
+   WHERE id = %(exclude)s AND status = ANY({states}) AND currency = %(currency)s AND counted_at >= %(day_bucket)s)
 SELECT
   pr.count,
   c.day_count, c.day_sum, c.month_count, c.month_sum, c.velocity,
-  a.hour_sum, a.day_sum, a.session_sum,
-  (SELECT COALESCE(SUM(amount_minor), 0) FROM {refund}
-    WHERE status = ANY({states}) AND currency = %(currency)s AND counted_at >= %(day)s
-      AND id <> %(exclude)s),
+  a.hour_sum,
+  (SELECT COALESCE(SUM(amount_minor), 0) FROM {deltas}
+    WHERE currency = %(currency)s AND agent_id = %(agent)s AND bucket >= %(day_bucket)s)
+  - COALESCE((SELECT amount_minor FROM x WHERE agent_id = %(agent)s), 0) + a.day_edge_sum,
+  a.session_sum,
+  (SELECT COALESCE(SUM(amount_minor), 0) FROM {deltas}
+    WHERE currency = %(currency)s AND agent_id = '' AND bucket >= %(day_bucket)s)
+  - COALESCE((SELECT amount_minor FROM x), 0)
+  + (SELECT COALESCE(SUM(amount_minor), 0) FROM {refund}
+      WHERE status = ANY({states}) AND currency = %(currency)s AND counted_at >= %(day)s
+        AND counted_at < %(day_bucket)s AND id <> %(exclude)s),
   pr.agents_sum, c.agents_window_sum,
   COALESCE((SELECT refunds_paused OR agents_disabled FROM {platform} WHERE id = 1), false),
   COALESCE((SELECT MAX(version) FROM {limits} WHERE currency = %(currency)s), 0)
@@ -125,14 +157,17 @@ FROM
           OFFSET 0) r
     WHERE p.customer_id = %(customer)s) c,
   (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE counted_at >= %(hour)s), 0) AS hour_sum,
-          COALESCE(SUM(amount_minor) FILTER (WHERE counted_at >= %(day)s), 0) AS day_sum,
+          COALESCE(SUM(amount_minor) FILTER (WHERE counted_at >= %(day)s AND counted_at < %(day_bucket)s), 0)
+            AS day_edge_sum,
           COALESCE(SUM(amount_minor) FILTER (WHERE %(session)s <> '' AND agent_session_id = %(session)s), 0)
             AS session_sum
      FROM {refund}
     WHERE agent_id = %(agent)s AND status = ANY({states}) AND currency = %(currency)s AND id <> %(exclude)s
-      AND (counted_at >= LEAST(%(day)s, %(hour)s) OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
+      AND (counted_at >= %(hour)s OR (counted_at >= %(day)s AND counted_at < %(day_bucket)s)
+           OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
 """.format(refund=Refund._meta.db_table, payment=Payment._meta.db_table,
            platform=PlatformState._meta.db_table, limits=RefundLimits._meta.db_table,
+           deltas=RefundTotalDelta._meta.db_table,
            states=_sql_literal(COUNTING_STATES), agent_origin=_sql_literal(Refund.Origin.AGENT)))
 
 
@@ -155,7 +190,8 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
     locks."""
     params = {"exclude": exclude_refund_id, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
               "agent": agent_id, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
-              "day": start_of_day(now), "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
+              "day": start_of_day(now), "day_bucket": first_bucket_from(start_of_day(now)),
+              "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
               "velocity": now - timedelta(hours=velocity_hours),
               "cumulative": now - timedelta(hours=cumulative_hours), "agent_origin": str(Refund.Origin.AGENT)}
     wrapper = db()

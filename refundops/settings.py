@@ -188,6 +188,8 @@ OUTBOX_SWEEP_SECONDS = env.int("OUTBOX_SWEEP_SECONDS", default=15)
 OUTBOX_KEEP_SENT_DAYS = env.int("OUTBOX_KEEP_SENT_DAYS", default=7)  # then the relay deletes sent rows
 CELERY_BEAT_SCHEDULE = {
     "relay-outbox": {"task": "refundops.tasks.relay_outbox", "schedule": timedelta(seconds=OUTBOX_SWEEP_SECONDS)},
+    # Each decision reads the day's buckets and the rows written since the last fold.
+    "fold-refund-totals": {"task": "refundops.tasks.fold_refund_totals", "schedule": timedelta(seconds=5)},
     "deliver-overdue-webhooks": {"task": "refundops.tasks.deliver_overdue_webhooks", "schedule": timedelta(minutes=1)},
     "sync-submitted-refunds": {"task": "refundops.tasks.sync_submitted_refunds",
                                "schedule": timedelta(seconds=env.int("SYNC_INTERVAL_SECONDS", default=30))},

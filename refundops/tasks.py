@@ -147,6 +147,14 @@ def deliver_overdue_webhooks() -> int:
 
 
 @shared_task
+def fold_refund_totals() -> int:
+    """Keep the day's totals a few rows a bucket (refundops/services/totals.py)."""
+    from refundops.services.totals import fold_totals
+
+    return fold_totals()
+
+
+@shared_task
 def relay_outbox() -> int:
     """Send what the outbox still holds ``OUTBOX_GRACE_SECONDS`` after it was written: effects
     whose send failed at commit (the broker was down) or whose process died before sending; and

@@ -201,13 +201,16 @@ def _clean_redis():
 
 @pytest.fixture
 def scratch():
-    """A table of the test's own, ``scratch (id, n int >= 0, t text)``, for statements the platform
-    does not make (batching, prepared statements); dropped after."""
+    """A table of the test's own, ``scratch_<random> (id, n int >= 0, t text)``, for statements the
+    platform does not make (batching, prepared statements); dropped after. Its name is the test's
+    own: a statement text one test marks as prepared (``batching.prepared``, marked for the process)
+    is then never another test's, which would see it prepared where it counts statements."""
+    name = f"scratch_{uuid.uuid4().hex[:8]}"
     with connection.cursor() as cursor:
-        cursor.execute("CREATE TABLE scratch (id serial PRIMARY KEY, n int NOT NULL CHECK (n >= 0), t text)")
-    yield "scratch"
+        cursor.execute(f"CREATE TABLE {name} (id serial PRIMARY KEY, n int NOT NULL CHECK (n >= 0), t text)")
+    yield name
     with connection.cursor() as cursor:
-        cursor.execute("DROP TABLE scratch")
+        cursor.execute(f"DROP TABLE {name}")
 
 
 @pytest.fixture

@@ -37,6 +37,7 @@ from refundops.models.refunds import (
     RefundState,
     new_refund_id,
 )
+from refundops.models.totals import BUCKET_SECONDS, RefundTotalDelta
 from refundops.models.webhooks import MerchantEndpoint, WebhookDelivery, new_delivery_id, new_endpoint_id, new_webhook_secret
 
 __all__ = [
@@ -44,7 +45,7 @@ __all__ = [
     "COUNTING_STATES", "RESERVING_STATES", "Agent", "AgentKey", "Capability", "Customer", "Dispute",
     "DisputeEvidenceDraft", "GatewayAttempt", "GatewayCustomer", "HoldRules", "LedgerDiscrepancy", "IdempotencyRecord", "MerchantEndpoint", "OutboxMessage", "Payment",
     "PaymentLink", "PaymentLinkTemplate", "PaymentOperation", "PlatformState", "PolicyDraft", "Reason", "Refund", "RefundLimits",
-    "RefundState", "WebhookDelivery", "new_agent_id", "new_customer_id", "new_discrepancy_id", "new_delivery_id", "new_dispute_id",
+    "RefundState", "RefundTotalDelta", "BUCKET_SECONDS", "WebhookDelivery", "new_agent_id", "new_customer_id", "new_discrepancy_id", "new_delivery_id", "new_dispute_id",
     "new_endpoint_id", "new_evidence_draft_id", "new_gateway_attempt_id", "new_link_template_id", "new_payment_id", "new_payment_link_id",
     "new_payment_operation_id", "new_policy_draft_id", "new_refund_id", "new_webhook_secret",
 ]

@@ -1,0 +1,177 @@
+"""The day's totals kept as refunds change (refundops/models/totals.py, migration 0016): a trigger
+appends signed rows per currency and agent, a fold sums them; the running totals read the day's
+buckets instead of the day's refunds (issue 11, bench/day_volume.py)."""
+
+from __future__ import annotations
+
+import importlib
+import random
+import threading
+from datetime import datetime, timedelta
+from zoneinfo import ZoneInfo
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from refundops.models import COUNTING_STATES, Refund, RefundState, RefundTotalDelta
+from refundops.selectors import first_bucket_from, running_totals, start_of_day
+from refundops.services.totals import fold_totals
+from tests.conftest import make_agent_key, make_payment, race
+
+BUCKETS = "SELECT currency, agent_id, SUM(amount_minor) FROM refundops_refundtotaldelta GROUP BY 1, 2 HAVING SUM(amount_minor) <> 0 ORDER BY 1, 2"
+SCANNED = """
+SELECT currency, scope, SUM(amount_minor) FROM refundops_refund, unnest(ARRAY['', agent_id]) scope
+ WHERE status = ANY(%s) AND scope IS NOT NULL GROUP BY 1, 2 HAVING SUM(amount_minor) <> 0 ORDER BY 1, 2"""
+
+
+def kept_and_scanned() -> tuple[list, list]:
+    with connection.cursor() as cursor:
+        cursor.execute(BUCKETS)
+        kept = cursor.fetchall()
+        cursor.execute(SCANNED, [[str(s) for s in COUNTING_STATES]])
+        return kept, cursor.fetchall()
+
+
+def rows_read(cursor, table: str) -> int:
+    cursor.execute(f"SELECT pg_stat_get_xact_tuples_returned('{table}'::regclass)"
+                   f" + pg_stat_get_xact_tuples_fetched('{table}'::regclass)")
+    return cursor.fetchone()[0]
+
+
+def test_the_trigger_counts_the_states_the_code_counts(db):
+    """The trigger's states are spelled in migration 0016; a change of COUNTING_STATES needs a
+    migration that replaces the function."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT prosrc FROM pg_proc WHERE proname = 'refundops_refund_totals'")
+        source = cursor.fetchone()[0]
+    spelled = source.split("counting CONSTANT text[] := '{", 1)[1].split("}'", 1)[0].split(",")
+    assert sorted(spelled) == sorted(str(s) for s in COUNTING_STATES)
+
+
+def test_every_kind_of_change_keeps_the_totals_equal_to_the_refunds(db):
+    key, _ = make_agent_key()
+    other, _ = make_agent_key()
+    usd, eur = make_payment(amount=10**7), make_payment(amount=10**7, currency="EUR")
+    refunds = [Refund.objects.create(payment=p, amount_minor=100 + i, currency=p.currency, reason="duplicate",
+                                     agent=a, status=RefundState.APPROVED)
+               for i, (p, a) in enumerate([(usd, key.agent), (usd, None), (eur, key.agent), (usd, other.agent)])]
+    assert kept_and_scanned()[0] == kept_and_scanned()[1] != []
+    Refund.objects.filter(pk=refunds[0].pk).update(status=RefundState.FAILED)  # stops counting
+    Refund.objects.filter(pk=refunds[1].pk).update(amount_minor=999)
+    Refund.objects.filter(pk=refunds[2].pk).update(counted_at=timezone.now() - timedelta(hours=30))
+    Refund.objects.filter(pk=refunds[3].pk).update(agent=key.agent)
+    Refund.objects.filter(pk=refunds[0].pk).update(status=RefundState.SETTLED)  # counts again
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned
+    Refund.objects.filter(pk=refunds[1].pk).update(updated_at=timezone.now())  # counted as before: no row
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM refundops_refundtotaldelta")
+        before = cursor.fetchone()[0]
+        Refund.objects.filter(pk=refunds[1].pk).update(reason="other")
+        cursor.execute("SELECT count(*) FROM refundops_refundtotaldelta")
+        assert cursor.fetchone()[0] == before
+    Refund.objects.filter(pk=refunds[3].pk).delete()
+    assert fold_totals() > 0
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned
+
+
+def test_the_migration_counts_the_refunds_made_before_it(db):
+    key, _ = make_agent_key()
+    payment = make_payment(amount=10**7)
+    for amount in (100, 250, 400):
+        Refund.objects.create(payment=payment, amount_minor=amount, currency="USD", reason="duplicate",
+                              agent=key.agent, status=RefundState.APPROVED)
+    migration = importlib.import_module("refundops.migrations.0016_refund_totals")
+    RefundTotalDelta.objects.all().delete()
+    with connection.cursor() as cursor:
+        cursor.execute(migration.BACKFILL)
+    assert kept_and_scanned()[0] == kept_and_scanned()[1] == [("USD", "", 750), ("USD", key.agent_id, 750)]
+
+
+@pytest.mark.parametrize("zone", ["UTC", "Asia/Kathmandu", "America/St_Johns", "Australia/Eucla"])
+def test_the_days_first_bucket_is_its_midnight_in_every_offset_in_use(zone):
+    """Every offset in use is whole quarter hours, so the day's buckets start at its midnight and no
+    refund is summed from the refunds themselves; a midnight that were not would be (and exact)."""
+    midnight = datetime(2026, 12, 1, tzinfo=ZoneInfo(zone))
+    assert first_bucket_from(midnight) == midnight
+    odd = midnight + timedelta(minutes=7, microseconds=3)
+    assert first_bucket_from(odd) == midnight + timedelta(minutes=15)
+
+
+@pytest.mark.django_db
+def test_the_days_totals_read_its_buckets_not_its_refunds(policy):
+    """Fails before (the totals summed the refunds): with 1,500 of the agent's refunds today on
+    another customer's payment, one decision read 3,000 refund rows (the currency's day and the
+    agent's day). Now it reads the few of the session and of the last hour, and the folded buckets."""
+    key, _ = make_agent_key()
+    now = timezone.now()
+    payment, elsewhere = make_payment(amount=10**7), make_payment(amount=10**7)
+    Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
+                          agent=key.agent, agent_session_id="s1", status=RefundState.APPROVED)
+    source = Refund.objects.create(payment=elsewhere, amount_minor=7, currency="USD", reason="duplicate",
+                                   agent=key.agent, agent_session_id="other", status=RefundState.APPROVED,
+                                   counted_at=now - timedelta(hours=2))
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            INSERT INTO refundops_refund
+            SELECT (jsonb_populate_record(r, jsonb_build_object('id', 'rf_day' || g,
+                       'agent_session_id', 'day' || g))).*
+              FROM refundops_refund r, generate_series(1, 1499) g WHERE r.id = %s""", [source.pk])
+        cursor.execute("ANALYZE refundops_refund")
+        fold_totals()
+        cursor.execute("ANALYZE refundops_refundtotaldelta")
+        before = rows_read(cursor, "refundops_refund")
+        totals = running_totals(payment=payment, agent_id=key.agent_id, session_id="s1", now=now)
+        refunds_read = rows_read(cursor, "refundops_refund") - before
+    day = 100 + 7 * 1500 if start_of_day(now) <= now - timedelta(hours=2) else 100
+    assert totals.global_day_minor == day and totals.agent_day_minor == day
+    assert totals.agent_hour_minor == 100 and totals.session_minor == 100
+    assert refunds_read < 50, f"one decision's totals read {refunds_read} refunds"
+    # What the day's totals read instead: a row a quarter hour and scope, once folded (the copies
+    # share one quarter hour; the refund in the session has its own, or the same).
+    assert RefundTotalDelta.objects.filter(agent_id="").count() <= 2
+    assert RefundTotalDelta.objects.filter(agent_id=key.agent_id).count() <= 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_folds_racing_writers_and_each_other_lose_and_double_nothing():
+    """Four threads write, change and delete refunds while two fold again and again: at the end the
+    kept totals are the refunds' (no row folded twice, none lost to a fold that did not see it)."""
+    key, _ = make_agent_key()
+    payments = [make_payment(amount=10**8) for _ in range(4)]
+    stop, done, lock = threading.Event(), [0], threading.Lock()
+    states = [RefundState.APPROVED, RefundState.FAILED, RefundState.SETTLED, RefundState.HELD]
+
+    def work(i: int) -> int:
+        if i >= 4:
+            folds = 0
+            while not stop.is_set():
+                fold_totals()
+                folds += 1
+            return folds
+        rng = random.Random(i)
+        made = []
+        for n in range(120):
+            choice = rng.random()
+            if not made or choice < 0.5:
+                made.append(Refund.objects.create(
+                    payment=payments[i], amount_minor=rng.randint(1, 500), currency="USD", reason="duplicate",
+                    agent=key.agent if rng.random() < 0.7 else None, status=rng.choice(states)).pk)
+            elif choice < 0.9:
+                Refund.objects.filter(pk=rng.choice(made)).update(status=rng.choice(states),
+                                                                  amount_minor=rng.randint(1, 500))
+            else:
+                Refund.objects.filter(pk=made.pop(rng.randrange(len(made)))).delete()
+        with lock:
+            done[0] += 1
+            if done[0] == 4:  # the last writer done: the folders stop
+                stop.set()
+        return len(made)
+
+    results = race(6, work)
+    assert results[4] > 0 and results[5] > 0
+    fold_totals()
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned and scanned != []
