@@ -189,7 +189,8 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
     after it) and the latest version of the currency's limits (0: none), as read after the decision's
     locks."""
     params = {"exclude": exclude_refund_id, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
-              "agent": agent_id, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
+              # None, not "": the currency's own buckets are kept under agent_id "" (models/totals.py)
+              "agent": agent_id or None, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
               "day": start_of_day(now), "day_bucket": first_bucket_from(start_of_day(now)),
               "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
               "velocity": now - timedelta(hours=velocity_hours),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import random
 import threading
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -175,3 +175,77 @@ def test_folds_racing_writers_and_each_other_lose_and_double_nothing():
     fold_totals()
     kept, scanned = kept_and_scanned()
     assert kept == scanned and scanned != []
+
+
+# ---- review findings -------------------------------------------------------------------------------
+
+
+def test_a_truncate_of_the_refunds_takes_their_totals_with_it(db):
+    """TRUNCATE fires no row trigger: emptying the refunds (by hand, a reset, or a TRUNCATE of the
+    payments CASCADE) left every delta behind, and the day's totals counted refunds that no longer
+    exist (too high: good refunds refused) until the buckets aged out three days later."""
+    key, _ = make_agent_key()
+    payment = make_payment(amount=10**7)
+    Refund.objects.create(payment=payment, amount_minor=400, currency="USD", reason="duplicate",
+                          agent=key.agent, status=RefundState.APPROVED)
+    with connection.cursor() as cursor:
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # no pending FK checks: TRUNCATE may run
+        cursor.execute("TRUNCATE refundops_refund CASCADE")
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned == []
+    totals = running_totals(payment=payment, agent_id=key.agent_id, session_id="", now=timezone.now())
+    assert totals.global_day_minor == 0 and totals.agent_day_minor == 0
+
+
+def _orm_totals(payment, agent_id, now, exclude=""):
+    from refundops import selectors
+    return selectors._running_totals_orm({
+        "exclude": exclude, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
+        "agent": agent_id, "session": "", "states": [str(s) for s in COUNTING_STATES],
+        "day": start_of_day(now), "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
+        "velocity": now - timedelta(hours=24), "cumulative": now - timedelta(hours=24), "agent_origin": "agent"})
+
+
+@pytest.mark.parametrize("zone, now", [
+    ("Asia/Kathmandu", datetime(1900, 6, 1, 12, tzinfo=UTC)),  # LMT +5:41:16: midnight is no boundary
+    ("America/St_Johns", datetime(2026, 11, 1, 15, tzinfo=UTC)),  # -2:30 -> -3:30 that day
+    ("Australia/Lord_Howe", datetime(2026, 10, 4, 9, tzinfo=UTC)),  # +10:30 -> +11 that day
+    ("Pacific/Chatham", datetime(2026, 12, 1, 23, 50, tzinfo=UTC)),
+])
+def test_the_kept_totals_agree_with_the_refunds_at_the_days_edge_and_with_a_refund_excluded(db, zone, now):
+    """Review: refunds either side of midnight and of the first bucket, some counting, one excluded at
+    a time (the resubmission's exclude_refund_id, for a refund that counts or not): the statement
+    reading the buckets agrees with the ORM's sum of the refunds."""
+    from django.test import override_settings
+
+    with override_settings(TIME_ZONE=zone):
+        key, _ = make_agent_key()
+        payment = make_payment(amount=10**8)
+        day = start_of_day(now)
+        offsets = [-timedelta(minutes=1), timedelta(0), timedelta(seconds=1), timedelta(minutes=7),
+                   first_bucket_from(day) - day - timedelta(microseconds=1), first_bucket_from(day) - day,
+                   timedelta(minutes=15), timedelta(hours=3), now - day]
+        made = []
+        for i, offset in enumerate(offsets):
+            for agent in (key.agent, None):
+                status = [RefundState.APPROVED, RefundState.FAILED, RefundState.HELD][(i + bool(agent)) % 3]
+                refund = Refund.objects.create(payment=payment, amount_minor=10 + i, currency="USD",
+                                               reason="duplicate", agent=agent, status=status,
+                                               counted_at=day + offset)
+                made.append(refund.pk)
+        for exclude in ["", *made]:
+            for agent_id in (key.agent_id, None):
+                sql = running_totals(payment=payment, agent_id=agent_id, session_id="", now=now,
+                                     exclude_refund_id=exclude)
+                assert sql == _orm_totals(payment, agent_id, now, exclude), (exclude, agent_id)
+
+
+def test_an_empty_agent_id_reads_no_agents_day_not_the_currencys(db):
+    """Review: the currency's buckets are kept under agent_id "", so running_totals(agent_id="")
+    (the signature takes a str; the ORM reading and the old statement gave 0) read the whole
+    currency's day as the agent's."""
+    payment = make_payment(amount=10**7)
+    Refund.objects.create(payment=payment, amount_minor=500, currency="USD", reason="duplicate",
+                          status=RefundState.APPROVED)
+    now = timezone.now()
+    assert running_totals(payment=payment, agent_id="", session_id="", now=now).agent_day_minor == 0

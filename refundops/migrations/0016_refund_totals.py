@@ -31,6 +31,15 @@ BEGIN
 END $$;
 CREATE TRIGGER refundops_refund_totals AFTER INSERT OR UPDATE OR DELETE ON refundops_refund
     FOR EACH ROW EXECUTE FUNCTION refundops_refund_totals();
+-- TRUNCATE fires no row trigger: the refunds emptied (by hand, or a TRUNCATE of the payments
+-- CASCADE), their deltas go with them, in the same transaction.
+CREATE FUNCTION refundops_refund_totals_truncate() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM refundops_refundtotaldelta;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER refundops_refund_totals_truncate AFTER TRUNCATE ON refundops_refund
+    FOR EACH STATEMENT EXECUTE FUNCTION refundops_refund_totals_truncate();
 """
 BUCKET = """
 CREATE FUNCTION refundops_total_bucket(at timestamptz) RETURNS timestamptz
@@ -48,7 +57,9 @@ SELECT currency, scope, refundops_total_bucket(counted_at) AS bucket, SUM(amount
 """
 UNDO = """
 DROP TRIGGER IF EXISTS refundops_refund_totals ON refundops_refund;
+DROP TRIGGER IF EXISTS refundops_refund_totals_truncate ON refundops_refund;
 DROP FUNCTION IF EXISTS refundops_refund_totals();
+DROP FUNCTION IF EXISTS refundops_refund_totals_truncate();
 DROP FUNCTION IF EXISTS refundops_total_bucket(timestamptz);
 """
 
