@@ -180,7 +180,8 @@ def test_folds_racing_writers_and_each_other_lose_and_double_nothing():
 # ---- review findings -------------------------------------------------------------------------------
 
 
-def test_a_truncate_of_the_refunds_takes_their_totals_with_it(db):
+@pytest.mark.parametrize("table", ["refundops_refund", "refundops_payment"])
+def test_a_truncate_of_the_refunds_takes_their_totals_with_it(db, table):
     """TRUNCATE fires no row trigger: emptying the refunds (by hand, a reset, or a TRUNCATE of the
     payments CASCADE) left every delta behind, and the day's totals counted refunds that no longer
     exist (too high: good refunds refused) until the buckets aged out three days later."""
@@ -190,7 +191,7 @@ def test_a_truncate_of_the_refunds_takes_their_totals_with_it(db):
                           agent=key.agent, status=RefundState.APPROVED)
     with connection.cursor() as cursor:
         cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # no pending FK checks: TRUNCATE may run
-        cursor.execute("TRUNCATE refundops_refund CASCADE")
+        cursor.execute(f"TRUNCATE {table} CASCADE")
     kept, scanned = kept_and_scanned()
     assert kept == scanned == []
     totals = running_totals(payment=payment, agent_id=key.agent_id, session_id="", now=timezone.now())
@@ -249,3 +250,71 @@ def test_an_empty_agent_id_reads_no_agents_day_not_the_currencys(db):
                           status=RefundState.APPROVED)
     now = timezone.now()
     assert running_totals(payment=payment, agent_id="", session_id="", now=now).agent_day_minor == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reader_during_folds_and_writes_sees_the_refunds_sum_in_every_statement():
+    """Review: not only at the end: each reading statement (one snapshot, as the decision's) sees the
+    currency's and the agent's kept totals equal to the refunds' sum while writers change refunds
+    and a fold runs again and again."""
+    key, _ = make_agent_key()
+    payments = [make_payment(amount=10**8) for _ in range(2)]
+    stop, done, lock, mismatches = threading.Event(), [0], threading.Lock(), []
+    states = [RefundState.APPROVED, RefundState.FAILED, RefundState.SETTLED, RefundState.HELD]
+    check = """
+        SELECT (SELECT COALESCE(SUM(amount_minor), 0) FROM refundops_refundtotaldelta WHERE currency = 'USD' AND agent_id = ''),
+               (SELECT COALESCE(SUM(amount_minor), 0) FROM refundops_refund WHERE currency = 'USD' AND status = ANY(%(s)s)),
+               (SELECT COALESCE(SUM(amount_minor), 0) FROM refundops_refundtotaldelta WHERE currency = 'USD' AND agent_id = %(a)s),
+               (SELECT COALESCE(SUM(amount_minor), 0) FROM refundops_refund WHERE currency = 'USD' AND status = ANY(%(s)s)
+                   AND agent_id = %(a)s)"""
+
+    def work(i: int) -> int:
+        n = 0
+        if i == 2:
+            while not stop.is_set():
+                fold_totals()
+                n += 1
+            return n
+        if i == 3:
+            with connection.cursor() as cursor:
+                while not stop.is_set():
+                    cursor.execute(check, {"s": [str(s) for s in COUNTING_STATES], "a": key.agent_id})
+                    row = cursor.fetchone()
+                    if row[0] != row[1] or row[2] != row[3]:
+                        mismatches.append(row)
+                    n += 1
+            return n
+        rng, made = random.Random(i), []
+        for _ in range(80):
+            if not made or rng.random() < 0.5:
+                made.append(Refund.objects.create(
+                    payment=payments[i], amount_minor=rng.randint(1, 500), currency="USD", reason="duplicate",
+                    agent=key.agent if rng.random() < 0.7 else None, status=rng.choice(states),
+                    counted_at=timezone.now() - timedelta(minutes=rng.randint(0, 120))).pk)
+            else:
+                Refund.objects.filter(pk=rng.choice(made)).update(status=rng.choice(states),
+                                                                  amount_minor=rng.randint(1, 500))
+        with lock:
+            done[0] += 1
+            if done[0] == 2:
+                stop.set()
+        return len(made)
+
+    results = race(4, work)
+    assert results[2] > 0 and results[3] > 0
+    assert mismatches == []
+
+
+def test_the_buckets_of_the_database_are_the_buckets_of_the_code(db):
+    """Review (a guard, holds): refundops_total_bucket (migration 0016, 900 spelled in SQL) cuts where
+    BUCKET_SECONDS does: a change of one without the other would count a refund on the wrong side of
+    the day's first bucket."""
+    from refundops.models import BUCKET_SECONDS
+
+    at = datetime(2026, 12, 1, 18, 15, tzinfo=UTC)
+    assert first_bucket_from(at) == at
+    with connection.cursor() as cursor:
+        for delta, bucket in [(timedelta(0), at), (timedelta(microseconds=-1), at - timedelta(seconds=BUCKET_SECONDS)),
+                              (timedelta(seconds=BUCKET_SECONDS) - timedelta(microseconds=1), at)]:
+            cursor.execute("SELECT refundops_total_bucket(%s)", [at + delta])
+            assert cursor.fetchone()[0] == bucket

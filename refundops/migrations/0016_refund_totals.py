@@ -35,6 +35,8 @@ CREATE TRIGGER refundops_refund_totals AFTER INSERT OR UPDATE OR DELETE ON refun
 -- CASCADE), their deltas go with them, in the same transaction.
 CREATE FUNCTION refundops_refund_totals_truncate() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
+    -- A fold under way commits first (its sum rows then seen by the DELETE), none starts before commit.
+    LOCK TABLE refundops_refundtotaldelta IN SHARE ROW EXCLUSIVE MODE;
     DELETE FROM refundops_refundtotaldelta;
     RETURN NULL;
 END $$;
