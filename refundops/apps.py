@@ -9,3 +9,4 @@ class RefundOpsConfig(AppConfig):
 
     def ready(self) -> None:
         from refundops.services import drafts  # noqa: F401  (a draft follows its proposal: a signal)
+        from refundops.services import totals  # noqa: F401  (a loaded dump's kept totals are dropped)

@@ -5,6 +5,8 @@ buckets instead of the day's refunds (issue 11, bench/day_volume.py)."""
 from __future__ import annotations
 
 import importlib
+import io
+import json
 import random
 import threading
 from datetime import UTC, datetime, timedelta
@@ -321,10 +323,9 @@ def test_the_buckets_of_the_database_are_the_buckets_of_the_code(db):
 
 
 def test_a_dump_loaded_again_counts_each_refund_once(db, tmp_path):
-    """Review (not fixed): ``dumpdata`` dumps the kept deltas with the refunds; ``loaddata`` inserts
-    the refunds (the trigger appends their deltas) and the dumped deltas too: every refund counts
-    twice (too high: good refunds refused) until its buckets age out. Derived rows a dump should not
-    carry (``dumpdata --exclude refundops.RefundTotalDelta``), or a load that does not add them."""
+    """Review: ``dumpdata`` dumps the kept deltas with the refunds; ``loaddata`` inserts the refunds
+    (the trigger appends their deltas) and the dumped deltas too: every refund counted twice (too
+    high: good refunds refused) until a loaded delta was dropped (services/totals.py)."""
     from django.core.management import call_command
 
     key, _ = make_agent_key()
@@ -338,3 +339,61 @@ def test_a_dump_loaded_again_counts_each_refund_once(db, tmp_path):
     call_command("loaddata", str(dump), verbosity=0)
     kept, scanned = kept_and_scanned()
     assert kept == scanned == [("USD", "", 300), ("USD", key.agent_id, 300)]
+
+
+def test_a_load_that_bypassed_the_trigger_is_counted_again_by_the_rebuild_command(db):
+    """A restore with triggers off leaves refunds the totals do not count (too low: a limit let
+    through); ``manage.py rebuild_refund_totals`` counts the days a total reads again, the same rows
+    the migration's backfill writes, and nothing older (never read, folded away)."""
+    from django.core.management import call_command
+
+    key, _ = make_agent_key()
+    payment = make_payment(amount=10**7)
+    Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
+                          agent=key.agent, status=RefundState.APPROVED)
+    Refund.objects.create(payment=payment, amount_minor=9_000, currency="USD", reason="duplicate",
+                          status=RefundState.SETTLED, counted_at=timezone.now() - timedelta(days=5))
+    with connection.cursor() as cursor:
+        cursor.execute("SET session_replication_role = replica")  # what pg_restore --disable-triggers does
+        try:
+            Refund.objects.create(payment=payment, amount_minor=20, currency="USD", reason="duplicate",
+                                  agent=key.agent, status=RefundState.HELD)
+        finally:
+            cursor.execute("SET session_replication_role = origin")
+    recent = ("SELECT currency, agent_id, SUM(amount_minor) FROM refundops_refundtotaldelta"
+              " WHERE bucket >= now() - interval '3 days' GROUP BY 1, 2 ORDER BY 1, 2")
+    with connection.cursor() as cursor:
+        cursor.execute(recent)
+        assert cursor.fetchall() == [("USD", "", 100), ("USD", key.agent_id, 100)]  # the load is missed
+
+    call_command("rebuild_refund_totals", stdout=io.StringIO())
+    with connection.cursor() as cursor:
+        cursor.execute(recent)
+        rebuilt = cursor.fetchall()
+        cursor.execute("SELECT count(*), min(bucket) FROM refundops_refundtotaldelta")
+        rows, oldest = cursor.fetchone()
+        cursor.execute("DELETE FROM refundops_refundtotaldelta")
+        cursor.execute(importlib.import_module("refundops.migrations.0016_refund_totals").BACKFILL)
+        cursor.execute("SELECT currency, agent_id, bucket, amount_minor FROM refundops_refundtotaldelta ORDER BY 1, 2, 3")
+        backfilled = cursor.fetchall()
+    assert rebuilt == [("USD", "", 120), ("USD", key.agent_id, 120)]
+    assert rows == 2 and oldest > timezone.now() - timedelta(days=3)  # the 5-day-old refund: not kept
+    assert [(c, a, m) for c, a, _, m in backfilled] == [("USD", "", 120), ("USD", key.agent_id, 120)]
+
+
+def test_a_loaded_delta_whose_id_is_a_live_rows_leaves_the_live_row_alone(db, tmp_path):
+    """A dump from another database: its delta ids may be this one's live rows. Loading one must not
+    overwrite (then drop) a row that counts a refund here."""
+    from django.core.management import call_command
+
+    payment = make_payment(amount=10**7)
+    Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
+                          status=RefundState.APPROVED)
+    live = RefundTotalDelta.objects.get()
+    fixture = tmp_path / "other.json"
+    fixture.write_text(json.dumps([{"model": "refundops.refundtotaldelta", "pk": live.pk, "fields": {
+        "currency": "USD", "agent_id": "", "bucket": live.bucket.isoformat(), "amount_minor": 999}}]))
+    call_command("loaddata", str(fixture), verbosity=0)
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned == [("USD", "", 100)]
+    assert list(RefundTotalDelta.objects.values_list("pk", "amount_minor")) == [(live.pk, 100)]

@@ -48,13 +48,15 @@ CREATE FUNCTION refundops_total_bucket(at timestamptz) RETURNS timestamptz
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
     RETURN to_timestamp(floor(extract(epoch FROM at) / 900) * 900);
 """
-# Every counting refund so far, in the same transaction as the trigger (which locks out writers of
-# refunds until the migration commits): none is counted twice or missed.
+# Every counting refund of the last 3 days (older buckets are never read), in the same transaction
+# as the trigger (which locks out writers of refunds until the migration commits): none is counted
+# twice or missed.
 BACKFILL = """
 INSERT INTO refundops_refundtotaldelta (currency, agent_id, bucket, amount_minor)
 SELECT currency, scope, refundops_total_bucket(counted_at) AS bucket, SUM(amount_minor)
   FROM refundops_refund, unnest(ARRAY['', agent_id]) AS scope
  WHERE status = ANY('{requested,held,approved,submitted,settled}') AND scope IS NOT NULL
+   AND counted_at >= now() - interval '3 days'  -- services.totals.KEEP_DAYS: older buckets are never read
  GROUP BY 1, 2, 3
 """
 UNDO = """
