@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from refundops.models import COUNTING_STATES, Refund, RefundState, RefundTotalDelta
@@ -139,7 +139,8 @@ def test_the_days_totals_read_its_buckets_not_its_refunds(policy):
 
 @pytest.mark.django_db(transaction=True)
 def test_folds_racing_writers_and_each_other_lose_and_double_nothing():
-    """Four threads write, change and delete refunds while two fold again and again: at the end the
+    """Four threads write, change and delete refunds while two fold again and again (one at a time:
+    the other finds the lock taken and returns): at the end the
     kept totals are the refunds' (no row folded twice, none lost to a fold that did not see it)."""
     key, _ = make_agent_key()
     payments = [make_payment(amount=10**8) for _ in range(4)]
@@ -397,3 +398,33 @@ def test_a_loaded_delta_whose_id_is_a_live_rows_leaves_the_live_row_alone(db, tm
     kept, scanned = kept_and_scanned()
     assert kept == scanned == [("USD", "", 100)]
     assert list(RefundTotalDelta.objects.values_list("pk", "amount_minor")) == [(live.pk, 100)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_fold_while_another_folds_leaves_the_rows_to_it():
+    """Two folds could lock a bucket's rows in other orders and deadlock: the second one finds the
+    first one's lock and returns, folding nothing."""
+    from refundops.services.totals import FOLD_LOCK_KEY
+
+    payment = make_payment(amount=10**7)
+    for amount in (100, 200):
+        Refund.objects.create(payment=payment, amount_minor=amount, currency="USD", reason="duplicate",
+                              status=RefundState.APPROVED)
+    holding, release = threading.Event(), threading.Event()
+
+    def work(i: int) -> int:
+        if i == 0:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [FOLD_LOCK_KEY])  # a fold under way
+                holding.set()
+                release.wait(10)
+            return -1
+        holding.wait(10)
+        try:
+            return fold_totals()
+        finally:
+            release.set()
+
+    assert race(2, work)[1] == 0
+    assert RefundTotalDelta.objects.count() == 2
+    assert fold_totals() == 1 and RefundTotalDelta.objects.get().amount_minor == 300

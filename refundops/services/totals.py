@@ -6,8 +6,10 @@ from django.db import connection, transaction
 from django.db.models.signals import post_save, pre_save
 from django.dispatch import receiver
 
+from refundops.locks import _key
 from refundops.models import COUNTING_STATES, Refund, RefundTotalDelta
 
+FOLD_LOCK_KEY = _key("fold-refund-totals")
 KEEP_DAYS = 3  # a day's totals start at most a day ago (selectors.start_of_day): older buckets are never read
 
 _FOLD_SQL = """
@@ -42,11 +44,15 @@ SELECT currency, scope, refundops_total_bucket(counted_at), SUM(amount_minor)
 def fold_totals() -> int:
     """Each bucket's rows replaced by one, their sum, and the buckets no day reads any more
     dropped, in one statement: a reader sees the rows or their sum, never both, never neither.
-    Rows not yet committed are left for the next fold; two folds at once each fold what the other
-    did not take. Returns how many rows fewer there are."""
+    Rows not yet committed are left for the next fold. One fold at a time: a second one finds the
+    lock taken and leaves the work to the next (two could lock the same rows in another order and
+    deadlock). Returns how many rows fewer there are."""
     if connection.vendor != "postgresql":
         return 0  # the embedded SQLite mode keeps no totals: it sums the refunds
-    with connection.cursor() as cursor:
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [FOLD_LOCK_KEY])
+        if not cursor.fetchone()[0]:
+            return 0
         cursor.execute(_FOLD_SQL, {"keep_days": KEEP_DAYS})
         return cursor.fetchone()[0]
 
