@@ -5,8 +5,8 @@
 Each decision reads the currency's total of the day (the global daily limit) and its agent's total
 of the day and of the last hour (refundops/selectors.py, ``_TOTALS_SQL``): summed from the day's
 refunds, they cost a decision more with every refund of the day; kept as they change
-(refundops/models/totals.py), the day's are a few rows a quarter hour, and only the last hour's
-refunds are summed. Recreates the database ``refundops_bench`` and seeds it as bench/refunds.py
+(refundops/models/totals.py), they are a few rows a quarter hour (and the last hour's first minutes,
+before its first quarter hour, summed from the refunds). Recreates the database ``refundops_bench`` and seeds it as bench/refunds.py
 does, then for each volume brings the day's counting refunds of the one agent, in the one currency,
 up to it (copies of the refunds already made, inserted with SQL: the platform's own rows and
 trigger, each copy a session of its own, counted at a random time of the day so far; then one fold

@@ -120,20 +120,20 @@ def _sql_literal(value: str | tuple[str, ...]) -> str:
 # the customer's refunds are found through the customer's payments (OFFSET 0 keeps the planner
 # from turning that into a scan of every recent refund).
 _TOTALS_SQL = batching.prepared("""
-WITH x AS (  -- the refund being decided, where the day's buckets count it
-  SELECT amount_minor, agent_id FROM {refund}
-   WHERE id = %(exclude)s AND status = ANY({states}) AND currency = %(currency)s AND counted_at >= %(day_bucket)s)
+WITH x AS (  -- the refund being decided: the kept buckets count it if it counts
+  SELECT amount_minor, agent_id, counted_at FROM {refund}
+   WHERE id = %(exclude)s AND status = ANY({states}) AND currency = %(currency)s)
 SELECT
   pr.count,
   c.day_count, c.day_sum, c.month_count, c.month_sum, c.velocity,
-  a.hour_sum,
-  (SELECT COALESCE(SUM(amount_minor), 0) FROM {deltas}
-    WHERE currency = %(currency)s AND agent_id = %(agent)s AND bucket >= %(day_bucket)s)
-  - COALESCE((SELECT amount_minor FROM x WHERE agent_id = %(agent)s), 0) + a.day_edge_sum,
+  ad.hour_sum + a.hour_edge_sum
+  - COALESCE((SELECT amount_minor FROM x WHERE agent_id = %(agent)s AND counted_at >= %(hour_bucket)s), 0),
+  ad.day_sum + a.day_edge_sum
+  - COALESCE((SELECT amount_minor FROM x WHERE agent_id = %(agent)s AND counted_at >= %(day_bucket)s), 0),
   a.session_sum,
   (SELECT COALESCE(SUM(amount_minor), 0) FROM {deltas}
     WHERE currency = %(currency)s AND agent_id = '' AND bucket >= %(day_bucket)s)
-  - COALESCE((SELECT amount_minor FROM x), 0)
+  - COALESCE((SELECT amount_minor FROM x WHERE counted_at >= %(day_bucket)s), 0)
   + (SELECT COALESCE(SUM(amount_minor), 0) FROM {refund}
       WHERE status = ANY({states}) AND currency = %(currency)s AND counted_at >= %(day)s
         AND counted_at < %(day_bucket)s AND id <> %(exclude)s),
@@ -156,14 +156,23 @@ FROM
              AND counted_at >= LEAST(%(month)s, %(velocity)s, %(cumulative)s) AND id <> %(exclude)s
           OFFSET 0) r
     WHERE p.customer_id = %(customer)s) c,
-  (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE counted_at >= %(hour)s), 0) AS hour_sum,
+  -- the agent's hour and day from the kept quarter hours ...
+  (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE bucket >= %(hour_bucket)s), 0) AS hour_sum,
+          COALESCE(SUM(amount_minor) FILTER (WHERE bucket >= %(day_bucket)s), 0) AS day_sum
+     FROM {deltas}
+    WHERE currency = %(currency)s AND agent_id = %(agent)s AND bucket >= LEAST(%(hour_bucket)s, %(day_bucket)s)) ad,
+  -- ... and from its refunds before the first of them (the hour's first minutes: at most a quarter
+  -- hour), and those of its session
+  (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE counted_at >= %(hour)s AND counted_at < %(hour_bucket)s), 0)
+            AS hour_edge_sum,
           COALESCE(SUM(amount_minor) FILTER (WHERE counted_at >= %(day)s AND counted_at < %(day_bucket)s), 0)
             AS day_edge_sum,
           COALESCE(SUM(amount_minor) FILTER (WHERE %(session)s <> '' AND agent_session_id = %(session)s), 0)
             AS session_sum
      FROM {refund}
     WHERE agent_id = %(agent)s AND status = ANY({states}) AND currency = %(currency)s AND id <> %(exclude)s
-      AND (counted_at >= %(hour)s OR (counted_at >= %(day)s AND counted_at < %(day_bucket)s)
+      AND ((counted_at >= %(hour)s AND counted_at < %(hour_bucket)s)
+           OR (counted_at >= %(day)s AND counted_at < %(day_bucket)s)
            OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
 """.format(refund=Refund._meta.db_table, payment=Payment._meta.db_table,
            platform=PlatformState._meta.db_table, limits=RefundLimits._meta.db_table,
@@ -192,7 +201,8 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
               # None, not "": the currency's own buckets are kept under agent_id "" (models/totals.py)
               "agent": agent_id or None, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
               "day": start_of_day(now), "day_bucket": first_bucket_from(start_of_day(now)),
-              "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
+              "hour": now - timedelta(hours=1), "hour_bucket": first_bucket_from(now - timedelta(hours=1)),
+              "month": now - timedelta(days=30),
               "velocity": now - timedelta(hours=velocity_hours),
               "cumulative": now - timedelta(hours=cumulative_hours), "agent_origin": str(Refund.Origin.AGENT)}
     wrapper = db()

@@ -103,18 +103,23 @@ def test_the_days_first_bucket_is_its_midnight_in_every_offset_in_use(zone):
 
 
 @pytest.mark.django_db
-def test_the_days_totals_read_its_buckets_not_its_refunds(policy):
+@pytest.mark.parametrize("in_last_hour", [False, True])
+def test_the_days_and_hours_totals_read_their_buckets_not_their_refunds(policy, in_last_hour):
     """Fails before (the totals summed the refunds): with 1,500 of the agent's refunds today on
     another customer's payment, one decision read 3,000 refund rows (the currency's day and the
-    agent's day). Now it reads the few of the session and of the last hour, and the folded buckets."""
+    agent's day), and 1,500 more when they were in the last hour. Now it reads the few of the
+    session and of the last hour's first minutes (before its first quarter hour), and the folded
+    buckets."""
     key, _ = make_agent_key()
     now = timezone.now()
+    copies_at = first_bucket_from(now - timedelta(hours=1)) + timedelta(minutes=1) if in_last_hour \
+        else now - timedelta(hours=2)
     payment, elsewhere = make_payment(amount=10**7), make_payment(amount=10**7)
     Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
                           agent=key.agent, agent_session_id="s1", status=RefundState.APPROVED)
     source = Refund.objects.create(payment=elsewhere, amount_minor=7, currency="USD", reason="duplicate",
                                    agent=key.agent, agent_session_id="other", status=RefundState.APPROVED,
-                                   counted_at=now - timedelta(hours=2))
+                                   counted_at=copies_at)
     with connection.cursor() as cursor:
         cursor.execute("""
             INSERT INTO refundops_refund
@@ -127,9 +132,9 @@ def test_the_days_totals_read_its_buckets_not_its_refunds(policy):
         before = rows_read(cursor, "refundops_refund")
         totals = running_totals(payment=payment, agent_id=key.agent_id, session_id="s1", now=now)
         refunds_read = rows_read(cursor, "refundops_refund") - before
-    day = 100 + 7 * 1500 if start_of_day(now) <= now - timedelta(hours=2) else 100
+    day = 100 + 7 * 1500 if start_of_day(now) <= copies_at else 100
     assert totals.global_day_minor == day and totals.agent_day_minor == day
-    assert totals.agent_hour_minor == 100 and totals.session_minor == 100
+    assert totals.agent_hour_minor == (100 + 7 * 1500 if in_last_hour else 100) and totals.session_minor == 100
     assert refunds_read < 50, f"one decision's totals read {refunds_read} refunds"
     # What the day's totals read instead: a row a quarter hour and scope, once folded (the copies
     # share one quarter hour; the refund in the session has its own, or the same).
@@ -215,11 +220,13 @@ def _orm_totals(payment, agent_id, now, exclude=""):
     ("America/St_Johns", datetime(2026, 11, 1, 15, tzinfo=UTC)),  # -2:30 -> -3:30 that day
     ("Australia/Lord_Howe", datetime(2026, 10, 4, 9, tzinfo=UTC)),  # +10:30 -> +11 that day
     ("Pacific/Chatham", datetime(2026, 12, 1, 23, 50, tzinfo=UTC)),
+    ("UTC", datetime(2026, 12, 2, 0, 37, 12, 345678, tzinfo=UTC)),  # the last hour began yesterday
 ])
-def test_the_kept_totals_agree_with_the_refunds_at_the_days_edge_and_with_a_refund_excluded(db, zone, now):
-    """Review: refunds either side of midnight and of the first bucket, some counting, one excluded at
-    a time (the resubmission's exclude_refund_id, for a refund that counts or not): the statement
-    reading the buckets agrees with the ORM's sum of the refunds."""
+def test_the_kept_totals_agree_with_the_refunds_at_the_days_and_hours_edges_with_a_refund_excluded(db, zone, now):
+    """Review: refunds either side of midnight and of the day's first bucket, of the last hour's start
+    and of its first bucket, and after now, some counting, one excluded at a time (the
+    resubmission's exclude_refund_id, for a refund that counts or not): the statement reading the
+    buckets agrees with the ORM's sum of the refunds."""
     from django.test import override_settings
 
     with override_settings(TIME_ZONE=zone):
@@ -229,6 +236,10 @@ def test_the_kept_totals_agree_with_the_refunds_at_the_days_edge_and_with_a_refu
         offsets = [-timedelta(minutes=1), timedelta(0), timedelta(seconds=1), timedelta(minutes=7),
                    first_bucket_from(day) - day - timedelta(microseconds=1), first_bucket_from(day) - day,
                    timedelta(minutes=15), timedelta(hours=3), now - day]
+        hour = now - timedelta(hours=1)
+        offsets += [edge - day + step for edge in (hour, first_bucket_from(hour))
+                    for step in (-timedelta(microseconds=1), timedelta(0), timedelta(seconds=1))]
+        offsets += [now - day + timedelta(minutes=20)]  # counted after now (a clock ahead): counts, as before
         made = []
         for i, offset in enumerate(offsets):
             for agent in (key.agent, None):

@@ -6,7 +6,8 @@ changed, deleted) appends signed rows here: one for its currency, one for its ag
 them (migration 0016), so every writer keeps them: the services, the ORM's ``update()``, the admin,
 SQL by hand. Rows are only ever inserted by writers, never updated, so writers take no lock on one
 another here. ``services.totals.fold_totals`` (beat) replaces each bucket's rows by their sum. The running totals
-(refundops/selectors.py) read the buckets of the day; PostgreSQL only (the embedded SQLite mode
+(refundops/selectors.py) read the buckets of the day and of the last hour (and sum the refunds of
+the minutes before the first of each); PostgreSQL only (the embedded SQLite mode
 sums the refunds)."""
 
 from __future__ import annotations
