@@ -439,3 +439,74 @@ def test_a_fold_while_another_folds_leaves_the_rows_to_it():
     assert race(2, work)[1] == 0
     assert RefundTotalDelta.objects.count() == 2
     assert fold_totals() == 1 and RefundTotalDelta.objects.get().amount_minor == 300
+
+
+# ---- second review (b3f8ddf, aa53987, 55bc120) ----------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("first", ["fold", "rebuild"])
+def test_a_rebuild_while_a_fold_or_another_rebuild_commits_counts_each_refund_once(first):
+    """Review 2: ``rebuild_totals`` locked the refunds (SHARE: writers wait) but not the deltas'
+    other writers. A fold (or a second rebuild: SHARE does not conflict with SHARE) under way deletes
+    rows and inserts their sum; the rebuild's DELETE waits on the deleted rows, skips them once the
+    other commits, and never sees the inserted sum (not in its snapshot): it stays, next to the
+    rebuilt rows, and every refund of the bucket counts twice (too high: good refunds refused)."""
+    from refundops.services.totals import rebuild_totals
+
+    payment = make_payment(amount=10**7)
+    for amount in (100, 200):
+        Refund.objects.create(payment=payment, amount_minor=amount, currency="USD", reason="duplicate",
+                              status=RefundState.APPROVED)
+    under_way, started = threading.Event(), threading.Event()
+
+    def work(i: int):
+        if i == 0:
+            with transaction.atomic():
+                done = fold_totals() if first == "fold" else rebuild_totals()
+                under_way.set()
+                started.wait(10)
+                threading.Event().wait(1.5)  # the rebuild is waiting (on rows or on the lock) by now
+            return done
+        under_way.wait(10)
+        started.set()
+        return rebuild_totals()
+
+    race(2, work)
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned == [("USD", "", 300)]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("hours_ago", [2, 20])
+def test_the_agents_older_refunds_are_not_read_under_a_generic_plan(policy, hours_ago):
+    """Review 2: a prepared statement is planned once (generic plan after five executions). With
+    1,500 of the agent's refunds older than an hour, the agent's subquery must still read only the
+    hour's first minutes, the day's edge and the session, not every refund of the agent."""
+    key, _ = make_agent_key()
+    now = timezone.now()
+    payment, elsewhere = make_payment(amount=10**7), make_payment(amount=10**7)
+    Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
+                          agent=key.agent, agent_session_id="s1", status=RefundState.APPROVED)
+    source = Refund.objects.create(payment=elsewhere, amount_minor=7, currency="USD", reason="duplicate",
+                                   agent=key.agent, agent_session_id="other", status=RefundState.APPROVED,
+                                   counted_at=now - timedelta(hours=hours_ago))
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            INSERT INTO refundops_refund
+            SELECT (jsonb_populate_record(r, jsonb_build_object('id', 'rf_old' || g,
+                       'agent_session_id', 'old' || g))).*
+              FROM refundops_refund r, generate_series(1, 1499) g WHERE r.id = %s""", [source.pk])
+        cursor.execute("ANALYZE refundops_refund")
+        fold_totals()
+        cursor.execute("ANALYZE refundops_refundtotaldelta")
+        cursor.execute("SET plan_cache_mode = force_generic_plan")
+        try:
+            before = rows_read(cursor, "refundops_refund")
+            totals = running_totals(payment=payment, agent_id=key.agent_id, session_id="s1", now=now)
+            refunds_read = rows_read(cursor, "refundops_refund") - before
+        finally:
+            cursor.execute("RESET plan_cache_mode")
+    day = 100 + 7 * 1500 if start_of_day(now) <= now - timedelta(hours=hours_ago) else 100
+    assert totals.agent_day_minor == day and totals.agent_hour_minor == 100 and totals.session_minor == 100
+    assert refunds_read < 50, f"one decision's totals read {refunds_read} refunds"

@@ -60,10 +60,16 @@ def fold_totals() -> int:
 def rebuild_totals() -> int:
     """The kept totals made again from the refunds, for a load that bypassed the trigger (a restore
     with triggers disabled, ``session_replication_role = replica``). Refund writers wait until it
-    commits (the lock), readers do not. Returns how many rows it wrote."""
+    commits (the lock), readers do not; a fold under way is waited for and none starts until it
+    commits (the fold's lock). Returns how many rows it wrote."""
     if connection.vendor != "postgresql":
         return 0
     with transaction.atomic(), connection.cursor() as cursor:
+        # The fold's lock, waited for: a fold (or another rebuild) under way deletes rows and inserts
+        # their sum; this DELETE would skip the rows it deleted and never see the sum (not in its
+        # snapshot), which would stay next to the rows rebuilt here: each refund counted twice.
+        # Taken first, while this holds nothing (a fold never waits for the refunds' lock).
+        cursor.execute("SELECT pg_advisory_xact_lock(%s)", [FOLD_LOCK_KEY])
         cursor.execute(f"LOCK TABLE {Refund._meta.db_table} IN SHARE MODE")
         cursor.execute(f"DELETE FROM {RefundTotalDelta._meta.db_table}")
         cursor.execute(_REBUILD_SQL, {"states": [str(s) for s in COUNTING_STATES], "keep_days": KEEP_DAYS})
@@ -80,6 +86,6 @@ def _load_a_delta_as_a_new_row(sender, instance: RefundTotalDelta, raw: bool, **
 
 
 @receiver(post_save, sender=RefundTotalDelta, dispatch_uid="a_loaded_delta_is_dropped")
-def _drop_a_loaded_delta(sender, instance: RefundTotalDelta, raw: bool, **kwargs) -> None:
-    if raw:
-        RefundTotalDelta.objects.filter(pk=instance.pk).delete()
+def _drop_a_loaded_delta(sender, instance: RefundTotalDelta, raw: bool, using: str, **kwargs) -> None:
+    if raw:  # in the database it was loaded into (``loaddata --database``), not the default one
+        RefundTotalDelta.objects.using(using).filter(pk=instance.pk).delete()
