@@ -510,3 +510,30 @@ def test_the_agents_older_refunds_are_not_read_under_a_generic_plan(policy, hour
     day = 100 + 7 * 1500 if start_of_day(now) <= now - timedelta(hours=hours_ago) else 100
     assert totals.agent_day_minor == day and totals.agent_hour_minor == 100 and totals.session_minor == 100
     assert refunds_read < 50, f"one decision's totals read {refunds_read} refunds"
+
+
+@pytest.mark.parametrize("zone", ["Pacific/Kiritimati", "Pacific/Pago_Pago", "Asia/Kathmandu"])
+def test_a_refund_older_than_the_kept_days_moved_to_today_after_a_rebuild_counts_once(db, zone):
+    """Review 2 (held): the rebuild (and the backfill) keep only the last 3 days; a refund counted
+    5 days ago, then counted again today (a resubmission), is taken back from a bucket no longer
+    kept and added to today's: the day's and hour's totals (+14:00, -11:00, +5:45) are the refunds'."""
+    from django.test import override_settings
+
+    from refundops.services.totals import rebuild_totals
+
+    with override_settings(TIME_ZONE=zone):
+        key, _ = make_agent_key()
+        payment = make_payment(amount=10**7)
+        now = timezone.now()
+        old = Refund.objects.create(payment=payment, amount_minor=500, currency="USD", reason="duplicate",
+                                    agent=key.agent, status=RefundState.APPROVED, counted_at=now - timedelta(days=5))
+        Refund.objects.create(payment=payment, amount_minor=40, currency="USD", reason="duplicate",
+                              agent=key.agent, status=RefundState.APPROVED, counted_at=start_of_day(now))
+        rebuild_totals()
+        Refund.objects.filter(pk=old.pk).update(counted_at=now - timedelta(minutes=1))
+        fold_totals()
+        for exclude in ("", old.pk):
+            sql = running_totals(payment=payment, agent_id=key.agent_id, session_id="", now=now,
+                                 exclude_refund_id=exclude)
+            assert sql == _orm_totals(payment, key.agent_id, now, exclude)
+            assert sql.agent_day_minor == sql.global_day_minor == (540 if not exclude else 40)
