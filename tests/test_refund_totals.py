@@ -537,3 +537,37 @@ def test_a_refund_older_than_the_kept_days_moved_to_today_after_a_rebuild_counts
                                  exclude_refund_id=exclude)
             assert sql == _orm_totals(payment, key.agent_id, now, exclude)
             assert sql.agent_day_minor == sql.global_day_minor == (540 if not exclude else 40)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_rebuild_behind_a_long_refund_transaction_gives_up_and_changes_nothing():
+    """Its lock queued behind a transaction writing refunds, the rebuild would hold every new refund
+    behind it: it waits a bounded time, then fails with a message to act on, the totals untouched."""
+    from django.core.management import CommandError, call_command
+
+    payment = make_payment(amount=10**7)
+    Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
+                          status=RefundState.APPROVED)
+    writing, release = threading.Event(), threading.Event()
+
+    def work(i: int) -> str:
+        if i == 0:
+            with transaction.atomic():
+                Refund.objects.create(payment=payment, amount_minor=5, currency="USD", reason="duplicate",
+                                      status=RefundState.APPROVED)
+                writing.set()
+                release.wait(10)
+            return ""
+        writing.wait(10)
+        try:
+            call_command("rebuild_refund_totals", "--lock-timeout", "0.2", stdout=io.StringIO())
+        except CommandError as exc:
+            return str(exc)
+        finally:
+            release.set()
+        return "rebuilt"
+
+    message = race(2, work)[1]
+    assert message.startswith("Nothing changed: a transaction writing refunds held its lock for over 0.2 s")
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned == [("USD", "", 105)]

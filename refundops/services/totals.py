@@ -57,14 +57,17 @@ def fold_totals() -> int:
         return cursor.fetchone()[0]
 
 
-def rebuild_totals() -> int:
+def rebuild_totals(*, lock_timeout_ms: int = 5_000) -> int:
     """The kept totals made again from the refunds, for a load that bypassed the trigger (a restore
     with triggers disabled, ``session_replication_role = replica``). Refund writers wait until it
     commits (the lock), readers do not; a fold under way is waited for and none starts until it
-    commits (the fold's lock). Returns how many rows it wrote."""
+    commits (the fold's lock). It waits at most ``lock_timeout_ms`` for each lock, then raises
+    (``LockNotAvailable``) having changed nothing: a long transaction writing refunds would otherwise
+    hold every new refund behind this one's queued lock. Returns how many rows it wrote."""
     if connection.vendor != "postgresql":
         return 0
     with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(lock_timeout_ms)}ms"])
         # The fold's lock, waited for: a fold (or another rebuild) under way deletes rows and inserts
         # their sum; this DELETE would skip the rows it deleted and never see the sum (not in its
         # snapshot), which would stay next to the rows rebuilt here: each refund counted twice.
