@@ -102,6 +102,35 @@ def test_the_days_first_bucket_is_its_midnight_in_every_offset_in_use(zone):
     assert first_bucket_from(odd) == midnight + timedelta(minutes=15)
 
 
+def _agent_with_1500_refunds_at(counted_at: datetime):
+    """An agent with one refund (100) in session "s1" on a payment of its own, and 1,500 (7 each,
+    a session each) counted at ``counted_at`` on another customer's; the totals folded."""
+    key, _ = make_agent_key()
+    payment, elsewhere = make_payment(amount=10**7), make_payment(amount=10**7)
+    Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
+                          agent=key.agent, agent_session_id="s1", status=RefundState.APPROVED)
+    source = Refund.objects.create(payment=elsewhere, amount_minor=7, currency="USD", reason="duplicate",
+                                   agent=key.agent, agent_session_id="other", status=RefundState.APPROVED,
+                                   counted_at=counted_at)
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            INSERT INTO refundops_refund
+            SELECT (jsonb_populate_record(r, jsonb_build_object('id', 'rf_copy' || g,
+                       'agent_session_id', 'copy' || g))).*
+              FROM refundops_refund r, generate_series(1, 1499) g WHERE r.id = %s""", [source.pk])
+        cursor.execute("ANALYZE refundops_refund")
+        fold_totals()
+        cursor.execute("ANALYZE refundops_refundtotaldelta")
+    return key, payment
+
+
+def _totals_and_refunds_read(payment, key, now):
+    with connection.cursor() as cursor:
+        before = rows_read(cursor, "refundops_refund")
+        totals = running_totals(payment=payment, agent_id=key.agent_id, session_id="s1", now=now)
+        return totals, rows_read(cursor, "refundops_refund") - before
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize("in_last_hour", [False, True])
 def test_the_days_and_hours_totals_read_their_buckets_not_their_refunds(policy, in_last_hour):
@@ -110,28 +139,11 @@ def test_the_days_and_hours_totals_read_their_buckets_not_their_refunds(policy, 
     agent's day), and 1,500 more when they were in the last hour. Now it reads the few of the
     session and of the last hour's first minutes (before its first quarter hour), and the folded
     buckets."""
-    key, _ = make_agent_key()
     now = timezone.now()
     copies_at = first_bucket_from(now - timedelta(hours=1)) + timedelta(minutes=1) if in_last_hour \
         else now - timedelta(hours=2)
-    payment, elsewhere = make_payment(amount=10**7), make_payment(amount=10**7)
-    Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
-                          agent=key.agent, agent_session_id="s1", status=RefundState.APPROVED)
-    source = Refund.objects.create(payment=elsewhere, amount_minor=7, currency="USD", reason="duplicate",
-                                   agent=key.agent, agent_session_id="other", status=RefundState.APPROVED,
-                                   counted_at=copies_at)
-    with connection.cursor() as cursor:
-        cursor.execute("""
-            INSERT INTO refundops_refund
-            SELECT (jsonb_populate_record(r, jsonb_build_object('id', 'rf_day' || g,
-                       'agent_session_id', 'day' || g))).*
-              FROM refundops_refund r, generate_series(1, 1499) g WHERE r.id = %s""", [source.pk])
-        cursor.execute("ANALYZE refundops_refund")
-        fold_totals()
-        cursor.execute("ANALYZE refundops_refundtotaldelta")
-        before = rows_read(cursor, "refundops_refund")
-        totals = running_totals(payment=payment, agent_id=key.agent_id, session_id="s1", now=now)
-        refunds_read = rows_read(cursor, "refundops_refund") - before
+    key, payment = _agent_with_1500_refunds_at(copies_at)
+    totals, refunds_read = _totals_and_refunds_read(payment, key, now)
     day = 100 + 7 * 1500 if start_of_day(now) <= copies_at else 100
     assert totals.global_day_minor == day and totals.agent_day_minor == day
     assert totals.agent_hour_minor == (100 + 7 * 1500 if in_last_hour else 100) and totals.session_minor == 100
@@ -483,28 +495,12 @@ def test_the_agents_older_refunds_are_not_read_under_a_generic_plan(policy, hour
     """Review 2: a prepared statement is planned once (generic plan after five executions). With
     1,500 of the agent's refunds older than an hour, the agent's subquery must still read only the
     hour's first minutes, the day's edge and the session, not every refund of the agent."""
-    key, _ = make_agent_key()
     now = timezone.now()
-    payment, elsewhere = make_payment(amount=10**7), make_payment(amount=10**7)
-    Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
-                          agent=key.agent, agent_session_id="s1", status=RefundState.APPROVED)
-    source = Refund.objects.create(payment=elsewhere, amount_minor=7, currency="USD", reason="duplicate",
-                                   agent=key.agent, agent_session_id="other", status=RefundState.APPROVED,
-                                   counted_at=now - timedelta(hours=hours_ago))
+    key, payment = _agent_with_1500_refunds_at(now - timedelta(hours=hours_ago))
     with connection.cursor() as cursor:
-        cursor.execute("""
-            INSERT INTO refundops_refund
-            SELECT (jsonb_populate_record(r, jsonb_build_object('id', 'rf_old' || g,
-                       'agent_session_id', 'old' || g))).*
-              FROM refundops_refund r, generate_series(1, 1499) g WHERE r.id = %s""", [source.pk])
-        cursor.execute("ANALYZE refundops_refund")
-        fold_totals()
-        cursor.execute("ANALYZE refundops_refundtotaldelta")
         cursor.execute("SET plan_cache_mode = force_generic_plan")
         try:
-            before = rows_read(cursor, "refundops_refund")
-            totals = running_totals(payment=payment, agent_id=key.agent_id, session_id="s1", now=now)
-            refunds_read = rows_read(cursor, "refundops_refund") - before
+            totals, refunds_read = _totals_and_refunds_read(payment, key, now)
         finally:
             cursor.execute("RESET plan_cache_mode")
     day = 100 + 7 * 1500 if start_of_day(now) <= now - timedelta(hours=hours_ago) else 100
