@@ -567,3 +567,20 @@ def test_a_rebuild_behind_a_long_refund_transaction_gives_up_and_changes_nothing
     assert message.startswith("Nothing changed: a transaction writing refunds held its lock for over 0.2 s")
     kept, scanned = kept_and_scanned()
     assert kept == scanned == [("USD", "", 105)]
+
+
+def test_beat_folds_the_kept_totals_every_few_seconds(db):
+    """With no fold the totals stay exact but each decision reads two rows a refund more: beat runs
+    the task (on the default queue, which every worker serves) every few seconds."""
+    from django.conf import settings
+
+    from refundops.tasks import fold_refund_totals
+
+    schedule = {job["task"]: job["schedule"] for job in settings.CELERY_BEAT_SCHEDULE.values()}
+    assert schedule["refundops.tasks.fold_refund_totals"].total_seconds() <= 10
+    payment, at = make_payment(amount=10**7), timezone.now()
+    for amount in (100, 200, 300):  # one quarter hour: three rows folded into one
+        Refund.objects.create(payment=payment, amount_minor=amount, currency="USD", reason="duplicate",
+                              status=RefundState.APPROVED, counted_at=at)
+    assert fold_refund_totals.apply().get() == 2
+    assert list(RefundTotalDelta.objects.values_list("agent_id", "amount_minor")) == [("", 600)]
