@@ -54,13 +54,13 @@ def slots_for(amount_minor: int, limit_minor: int | None) -> int:
     return -(-max(amount_minor, 1) // size) if size > 0 else FAST_PATH_SLOTS + 1
 
 
-def _key(*parts: str) -> int:
+def advisory_key(*parts: str) -> int:
     """A stable signed 64-bit advisory lock key for a scope (PostgreSQL's one-key form)."""
     digest = hashlib.blake2b("\x1f".join(("refundops", *parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
 
-PLATFORM_KEY = _key("platform")
+PLATFORM_KEY = advisory_key("platform")
 
 
 def lock_payment(payment_id: str, *, merchant_id: str | None = None) -> Payment | None:
@@ -102,7 +102,7 @@ SELECT (SELECT count(*) FROM (SELECT FROM unnest({ring}) AS k WHERE pg_try_advis
 
 @functools.cache
 def _slot_keys(currency: str) -> tuple[int, ...]:
-    return tuple(_key("slot", currency, str(i)) for i in range(FAST_PATH_SLOTS))
+    return tuple(advisory_key("slot", currency, str(i)) for i in range(FAST_PATH_SLOTS))
 
 
 @functools.cache
@@ -127,11 +127,11 @@ def lock_scopes(*, customer_id: str, agent_id: str | None, currency: str, exclus
     wrapper = db()
     if wrapper.vendor != "postgresql":
         return ScopeLocks(exclusive=True, slots=0)
-    keys = [("pg_advisory_xact_lock", _key("customer", customer_id))]
+    keys = [("pg_advisory_xact_lock", advisory_key("customer", customer_id))]
     if agent_id:
-        keys.append(("pg_advisory_xact_lock", _key("agent", agent_id)))
+        keys.append(("pg_advisory_xact_lock", advisory_key("agent", agent_id)))
     keys.append(("pg_advisory_xact_lock_shared", PLATFORM_KEY))
-    keys.append(("pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared", _key("currency", currency)))
+    keys.append(("pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared", advisory_key("currency", currency)))
     wanted = 0 if exclusive or slots > FAST_PATH_SLOTS else slots
     start = random.randrange(FAST_PATH_SLOTS)  # spread deciders over the slots
     ring = _slot_keys(currency)
@@ -158,7 +158,7 @@ def lock_currency(currency: str) -> None:
     (``selectors.totals_and_pause``), so every decision in flight counts on the same limit."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_key("currency", currency)])
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [advisory_key("currency", currency)])
 
 
 def lock_platform() -> PlatformState:

@@ -137,12 +137,12 @@ def test_a_refund_decided_after_agents_are_switched_off_is_refused_though_its_ke
 
 def _slots_and_currency_held_by(thread_pid: int, currency: str = "USD") -> tuple[int, str]:
     """How many fast-path slots the backend ``thread_pid`` holds, and its mode on the currency's lock."""
-    slots = [locks._key("slot", currency, str(i)) for i in range(locks.FAST_PATH_SLOTS)]
+    slots = [locks.advisory_key("slot", currency, str(i)) for i in range(locks.FAST_PATH_SLOTS)]
     with connection.cursor() as cursor:
         cursor.execute("SELECT (classid::bigint << 32) | objid::bigint, mode FROM pg_locks "
                        "WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND pid = %s", [thread_pid])
         held = {_signed(key): mode for key, mode in cursor.fetchall()}
-    return sum(key in held for key in slots), held.get(locks._key("currency", currency), "")
+    return sum(key in held for key in slots), held.get(locks.advisory_key("currency", currency), "")
 
 
 def _pid_of_the_paused_one() -> int:
@@ -151,7 +151,7 @@ def _pid_of_the_paused_one() -> int:
         cursor.execute("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
                        "AND pid <> pg_backend_pid() AND ((classid::bigint << 32) | objid::bigint) = %s "
                        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-                       [locks._key("currency", "USD") & ((1 << 64) - 1)])
+                       [locks.advisory_key("currency", "USD") & ((1 << 64) - 1)])
         pids = {row[0] for row in cursor.fetchall()}
     assert len(pids) == 1, pids
     return pids.pop()
@@ -324,9 +324,9 @@ def test_no_scope_lock_shares_a_key_with_another_scope_or_the_audit_sealer():
 
     fixed = [locks.PLATFORM_KEY]
     for currency, _ in CURRENCY_CHOICES:
-        fixed += [locks._key("currency", currency), *locks._slot_keys(currency)]
+        fixed += [locks.advisory_key("currency", currency), *locks._slot_keys(currency)]
     assert len(set(fixed)) == len(fixed) and _CHAIN_LOCK_ID not in fixed
     assert all(-(1 << 63) <= key < (1 << 63) for key in fixed)  # a bigint
     crafted = "USD\x1f0"  # a slot's name after its kind: as a customer's or agent's id it stays theirs
-    assert locks._key("customer", crafted) not in fixed and locks._key("agent", crafted) not in fixed
-    assert locks._key("customer", "c1") != locks._key("agent", "c1")
+    assert locks.advisory_key("customer", crafted) not in fixed and locks.advisory_key("agent", crafted) not in fixed
+    assert locks.advisory_key("customer", "c1") != locks.advisory_key("agent", "c1")

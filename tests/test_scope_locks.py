@@ -80,7 +80,7 @@ def test_a_refund_of_the_same_customer_or_by_the_same_agent_waits_for_the_one_in
     assert done == [201]
     # While it waited for the customer's or agent's lock it held no fast-path slot: a queue on one
     # customer never takes the slots that other customers' refunds need.
-    slots = {locks._key("slot", "USD", str(i)) for i in range(locks.FAST_PATH_SLOTS)}
+    slots = {locks.advisory_key("slot", "USD", str(i)) for i in range(locks.FAST_PATH_SLOTS)}
     assert awaited and not (held & slots)
 
 
@@ -194,7 +194,7 @@ def test_a_one_slot_refund_finding_every_slot_busy_waits_for_one_and_stays_on_th
         thread.join(timeout=1.5)
         assert thread.is_alive() and not done
         awaited = _advisory_locks_of_others(granted=False)
-        slots = {locks._key("slot", "USD", str(i)) for i in range(locks.FAST_PATH_SLOTS)}
+        slots = {locks.advisory_key("slot", "USD", str(i)) for i in range(locks.FAST_PATH_SLOTS)}
         assert awaited and awaited <= slots  # waiting for a slot, not for the currency exclusively
     thread.join(timeout=10)
     assert done == [201] and taken == [False]

@@ -1,4 +1,5 @@
-"""Folding the day's totals (refundops/models/totals.py): each bucket's rows replaced by their sum."""
+"""Keeping the day's totals (refundops/models/totals.py) small and right: the fold (each bucket's rows
+replaced by their sum), the rebuild after a load the trigger did not see, and loaded dumps."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ from django.db import connection, transaction
 from django.db.models.signals import post_save, pre_save
 from django.dispatch import receiver
 
-from refundops.locks import _key
+from refundops.locks import advisory_key
 from refundops.models import COUNTING_STATES, Refund, RefundTotalDelta
 
-FOLD_LOCK_KEY = _key("fold-refund-totals")
+FOLD_LOCK_KEY = advisory_key("fold-refund-totals")
 KEEP_DAYS = 3  # a day's totals start at most a day ago (selectors.start_of_day): older buckets are never read
 
 _FOLD_SQL = """
