@@ -6,8 +6,8 @@ Each decision reads the currency's total of the day (the global daily limit) and
 of the day and of the last hour (refundops/selectors.py, ``_TOTALS_SQL``): summed from the day's
 refunds, they cost a decision more with every refund of the day; kept as they change
 (refundops/models/totals.py), they are a few rows a quarter hour (and the last hour's first minutes,
-before its first quarter hour, summed from the refunds). Recreates the database ``refundops_bench`` and seeds it as bench/refunds.py
-does, then for each volume brings the day's counting refunds of the one agent, in the one currency,
+before its first quarter hour, summed from the refunds). Recreates the database ``refundops_bench``
+and seeds it as bench/refunds.py does, then for each volume brings the day's counting refunds of the one agent, in the one currency,
 up to it (copies of the refunds already made, inserted with SQL: the platform's own rows and
 trigger, each copy a session of its own, counted at a random time of the day so far; then one fold
 of the totals, as beat makes every few seconds) and sends ``--requests`` approved refunds
@@ -54,11 +54,9 @@ def grow_to(connection, volume: int, *, day_start) -> int:
             cursor.execute("INSERT INTO refundops_refund SELECT * FROM bench_grow")
             have += batch
         cursor.execute("ANALYZE refundops_refund")
-    try:  # what beat does every few seconds (refundops/services/totals.py), where the day's totals are kept
-        from refundops.services.totals import fold_totals
-    except ImportError:  # a tree from before them
-        return have
-    fold_totals()
+    from refundops.services.totals import fold_totals
+
+    fold_totals()  # what beat does every few seconds
     return have
 
 

@@ -183,31 +183,27 @@ def stop(server: subprocess.Popen) -> None:
 class Folding(threading.Thread):
     """What beat does in production every few seconds, here in the driver: fold the day's totals
     (refundops/services/totals.py), so that a decision reads the buckets and not a run's worth of
-    rows. Nothing on a tree from before the totals were kept."""
+    rows."""
 
     def __init__(self, every: float = 5.0) -> None:
         super().__init__(daemon=True)
         self.every, self.halt = every, threading.Event()
-        try:
-            from refundops.services.totals import fold_totals
-        except ImportError:
-            return
-        self.fold = fold_totals
         self.start()
 
     def run(self) -> None:
         from django.db import connection
 
+        from refundops.services.totals import fold_totals
+
         try:
             while not self.halt.wait(self.every):
-                self.fold()
+                fold_totals()
         finally:
             connection.close()
 
     def stop(self) -> None:
         self.halt.set()
-        if self.is_alive():
-            self.join()
+        self.join()
 
 
 @dataclass

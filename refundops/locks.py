@@ -131,7 +131,8 @@ def lock_scopes(*, customer_id: str, agent_id: str | None, currency: str, exclus
     if agent_id:
         keys.append(("pg_advisory_xact_lock", advisory_key("agent", agent_id)))
     keys.append(("pg_advisory_xact_lock_shared", PLATFORM_KEY))
-    keys.append(("pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared", advisory_key("currency", currency)))
+    keys.append(("pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared",
+                 advisory_key("currency", currency)))
     wanted = 0 if exclusive or slots > FAST_PATH_SLOTS else slots
     start = random.randrange(FAST_PATH_SLOTS)  # spread deciders over the slots
     ring = _slot_keys(currency)

@@ -197,11 +197,11 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
     switch, or all agents switched off: a request whose key was checked before the switch is decided
     after it) and the latest version of the currency's limits (0: none), as read after the decision's
     locks."""
+    day, hour = start_of_day(now), now - timedelta(hours=1)
     params = {"exclude": exclude_refund_id, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
               # None, not "": the currency's own buckets are kept under agent_id "" (models/totals.py)
               "agent": agent_id or None, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
-              "day": start_of_day(now), "day_bucket": first_bucket_from(start_of_day(now)),
-              "hour": now - timedelta(hours=1), "hour_bucket": first_bucket_from(now - timedelta(hours=1)),
+              "day": day, "day_bucket": first_bucket_from(day), "hour": hour, "hour_bucket": first_bucket_from(hour),
               "month": now - timedelta(days=30),
               "velocity": now - timedelta(hours=velocity_hours),
               "cumulative": now - timedelta(hours=cumulative_hours), "agent_origin": str(Refund.Origin.AGENT)}

@@ -42,10 +42,10 @@ from refundops.models.webhooks import MerchantEndpoint, WebhookDelivery, new_del
 
 __all__ = [
     "DEFAULT_MERCHANT_ID", "AgentRead", "Merchant", "new_merchant_id",
-    "COUNTING_STATES", "RESERVING_STATES", "Agent", "AgentKey", "Capability", "Customer", "Dispute",
+    "BUCKET_SECONDS", "COUNTING_STATES", "RESERVING_STATES", "Agent", "AgentKey", "Capability", "Customer", "Dispute",
     "DisputeEvidenceDraft", "GatewayAttempt", "GatewayCustomer", "HoldRules", "LedgerDiscrepancy", "IdempotencyRecord", "MerchantEndpoint", "OutboxMessage", "Payment",
     "PaymentLink", "PaymentLinkTemplate", "PaymentOperation", "PlatformState", "PolicyDraft", "Reason", "Refund", "RefundLimits",
-    "RefundState", "RefundTotalDelta", "BUCKET_SECONDS", "WebhookDelivery", "new_agent_id", "new_customer_id", "new_discrepancy_id", "new_delivery_id", "new_dispute_id",
+    "RefundState", "RefundTotalDelta", "WebhookDelivery", "new_agent_id", "new_customer_id", "new_discrepancy_id", "new_delivery_id", "new_dispute_id",
     "new_endpoint_id", "new_evidence_draft_id", "new_gateway_attempt_id", "new_link_template_id", "new_payment_id", "new_payment_link_id",
     "new_payment_operation_id", "new_policy_draft_id", "new_refund_id", "new_webhook_secret",
 ]

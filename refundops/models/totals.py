@@ -5,9 +5,9 @@ changed, deleted) appends signed rows here: one for its currency, one for its ag
 15-minute bucket (UTC) of its ``counted_at``. A PostgreSQL trigger on ``refundops_refund`` writes
 them (migration 0016), so every writer keeps them: the services, the ORM's ``update()``, the admin,
 SQL by hand. Rows are only ever inserted by writers, never updated, so writers take no lock on one
-another here. ``services.totals.fold_totals`` (beat) replaces each bucket's rows by their sum. The running totals
-(refundops/selectors.py) read the buckets of the day and of the last hour (and sum the refunds of
-the minutes before the first of each); PostgreSQL only (the embedded SQLite mode
+another here. ``services.totals.fold_totals`` (beat) replaces each bucket's rows by their sum. The
+running totals (refundops/selectors.py) read the buckets of the day and of the last hour (and sum
+the refunds of the minutes before the first of each); PostgreSQL only (the embedded SQLite mode
 sums the refunds)."""
 
 from __future__ import annotations
@@ -26,4 +26,3 @@ class RefundTotalDelta(models.Model):
 
     class Meta:
         indexes = [models.Index(fields=["currency", "agent_id", "bucket"], name="refund_total_bucket")]
-
