@@ -190,6 +190,7 @@ CELERY_BEAT_SCHEDULE = {
     "relay-outbox": {"task": "refundops.tasks.relay_outbox", "schedule": timedelta(seconds=OUTBOX_SWEEP_SECONDS)},
     # Each decision reads the day's buckets and the rows written since the last fold.
     "fold-refund-totals": {"task": "refundops.tasks.fold_refund_totals", "schedule": timedelta(seconds=5)},
+    "drop-old-refund-totals": {"task": "refundops.tasks.drop_old_refund_totals", "schedule": timedelta(hours=1)},
     "deliver-overdue-webhooks": {"task": "refundops.tasks.deliver_overdue_webhooks", "schedule": timedelta(minutes=1)},
     "sync-submitted-refunds": {"task": "refundops.tasks.sync_submitted_refunds",
                                "schedule": timedelta(seconds=env.int("SYNC_INTERVAL_SECONDS", default=30))},

@@ -155,6 +155,14 @@ def fold_refund_totals() -> int:
 
 
 @shared_task
+def drop_old_refund_totals() -> int:
+    """Delete the day's totals' buckets that no total reads any more (refundops/services/totals.py)."""
+    from refundops.services.totals import drop_old_totals
+
+    return drop_old_totals()
+
+
+@shared_task
 def relay_outbox() -> int:
     """Send what the outbox still holds ``OUTBOX_GRACE_SECONDS`` after it was written: effects
     whose send failed at commit (the broker was down) or whose process died before sending; and

@@ -52,8 +52,8 @@ CREATE FUNCTION refundops_total_bucket(at timestamptz) RETURNS timestamptz
 # as the trigger (which locks out writers of refunds until the migration commits): none is counted
 # twice or missed.
 BACKFILL = """
-INSERT INTO refundops_refundtotaldelta (currency, agent_id, bucket, amount_minor)
-SELECT currency, scope, refundops_total_bucket(counted_at) AS bucket, SUM(amount_minor)
+INSERT INTO refundops_refundtotaldelta (currency, agent_id, bucket, amount_minor, folded)
+SELECT currency, scope, refundops_total_bucket(counted_at) AS bucket, SUM(amount_minor), true
   FROM refundops_refund, unnest(ARRAY['', agent_id]) AS scope
  WHERE status = ANY('{requested,held,approved,submitted,settled}') AND scope IS NOT NULL
    AND counted_at >= now() - interval '3 days'  -- services.totals.KEEP_DAYS: older buckets are never read
@@ -95,9 +95,12 @@ class Migration(migrations.Migration):
                 ('agent_id', models.CharField(blank=True, max_length=40)),
                 ('bucket', models.DateTimeField()),
                 ('amount_minor', models.BigIntegerField()),
+                ('folded', models.BooleanField(db_default=False)),
             ],
             options={
-                'indexes': [models.Index(fields=['currency', 'agent_id', 'bucket'], name='refund_total_bucket')],
+                'indexes': [models.Index(fields=['currency', 'agent_id', 'bucket'], name='refund_total_bucket'),
+                            models.Index(condition=models.Q(('folded', False)), fields=['currency', 'agent_id', 'bucket'],
+                                         name='refund_total_unfolded')],
             },
         ),
         migrations.RunPython(keep_totals, stop_keeping_totals),

@@ -13,29 +13,32 @@ from refundops.models import COUNTING_STATES, Refund, RefundTotalDelta
 FOLD_LOCK_KEY = advisory_key("fold-refund-totals")
 KEEP_DAYS = 3  # a day's totals start at most a day ago (selectors.start_of_day): older buckets are never read
 
+# The buckets written to since they were last folded (found through the index of unfolded rows: the
+# cost follows the refunds since the last fold, not the rows kept), each replaced by one row, its sum.
 _FOLD_SQL = """
-WITH gone AS (
-    DELETE FROM {deltas}
-     WHERE bucket < now() - make_interval(days => %(keep_days)s)
-        OR (currency, agent_id, bucket) IN (SELECT currency, agent_id, bucket FROM {deltas}
-                                             WHERE bucket >= now() - make_interval(days => %(keep_days)s)
-                                             GROUP BY 1, 2, 3 HAVING count(*) > 1)
-    RETURNING currency, agent_id, bucket, amount_minor),
+WITH todo AS (
+    SELECT DISTINCT currency, agent_id, bucket FROM {deltas} WHERE NOT folded),
+gone AS (
+    DELETE FROM {deltas} d USING todo
+     WHERE (d.currency, d.agent_id, d.bucket) = (todo.currency, todo.agent_id, todo.bucket)
+    RETURNING d.currency, d.agent_id, d.bucket, d.amount_minor),
 put AS (
-    INSERT INTO {deltas} (currency, agent_id, bucket, amount_minor)
-    SELECT currency, agent_id, bucket, SUM(amount_minor) FROM gone
-     WHERE bucket >= now() - make_interval(days => %(keep_days)s)
-     GROUP BY 1, 2, 3
+    INSERT INTO {deltas} (currency, agent_id, bucket, amount_minor, folded)
+    SELECT currency, agent_id, bucket, SUM(amount_minor), true FROM gone GROUP BY 1, 2, 3
     RETURNING 1)
 SELECT (SELECT count(*) FROM gone) - (SELECT count(*) FROM put)
+""".format(deltas=RefundTotalDelta._meta.db_table)
+
+_DROP_OLD_SQL = """
+DELETE FROM {deltas} WHERE bucket < now() - make_interval(days => %(keep_days)s)
 """.format(deltas=RefundTotalDelta._meta.db_table)
 
 
 # Every counting refund of the days a day's totals can read, summed per bucket: the rows the trigger
 # would have appended, folded (migration 0016 runs the same when it starts keeping them).
 _REBUILD_SQL = """
-INSERT INTO {deltas} (currency, agent_id, bucket, amount_minor)
-SELECT currency, scope, refundops_total_bucket(counted_at), SUM(amount_minor)
+INSERT INTO {deltas} (currency, agent_id, bucket, amount_minor, folded)
+SELECT currency, scope, refundops_total_bucket(counted_at), SUM(amount_minor), true
   FROM {refund}, unnest(ARRAY['', agent_id]) AS scope
  WHERE status = ANY(%(states)s) AND scope IS NOT NULL AND counted_at >= now() - make_interval(days => %(keep_days)s)
  GROUP BY 1, 2, 3
@@ -43,8 +46,8 @@ SELECT currency, scope, refundops_total_bucket(counted_at), SUM(amount_minor)
 
 
 def fold_totals() -> int:
-    """Each bucket's rows replaced by one, their sum, and the buckets no day reads any more
-    dropped, in one statement: a reader sees the rows or their sum, never both, never neither.
+    """The rows of each bucket written to since the last fold replaced by one, their sum, in one
+    statement: a reader sees the rows or their sum, never both, never neither.
     Rows not yet committed are left for the next fold. One fold at a time: a second one finds the
     lock taken and leaves the work to the next (two could lock the same rows in another order and
     deadlock). Returns how many rows fewer there are."""
@@ -54,8 +57,19 @@ def fold_totals() -> int:
         cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [FOLD_LOCK_KEY])
         if not cursor.fetchone()[0]:
             return 0
-        cursor.execute(_FOLD_SQL, {"keep_days": KEEP_DAYS})
+        cursor.execute(_FOLD_SQL)
         return cursor.fetchone()[0]
+
+
+def drop_old_totals() -> int:
+    """The buckets older than ``KEEP_DAYS`` deleted, folded or not (beat, hourly): no total reads
+    them. Apart from the fold, which then reads only what was written since the last one. Returns
+    how many rows it deleted."""
+    if connection.vendor != "postgresql":
+        return 0
+    with connection.cursor() as cursor:
+        cursor.execute(_DROP_OLD_SQL, {"keep_days": KEEP_DAYS})
+        return cursor.rowcount
 
 
 def rebuild_totals(*, lock_timeout_ms: int = 5_000) -> int:
