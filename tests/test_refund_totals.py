@@ -578,6 +578,7 @@ def test_beat_folds_the_kept_totals_every_few_seconds(db):
 
     schedule = {job["task"]: job["schedule"] for job in settings.CELERY_BEAT_SCHEDULE.values()}
     assert schedule["refundops.tasks.fold_refund_totals"].total_seconds() <= 10
+    assert schedule["refundops.tasks.drop_old_refund_totals"].total_seconds() <= 3600
     payment, at = make_payment(amount=10**7), timezone.now()
     for amount in (100, 200, 300):  # one quarter hour: three rows folded into one
         Refund.objects.create(payment=payment, amount_minor=amount, currency="USD", reason="duplicate",
