@@ -182,9 +182,9 @@ FROM
 
 def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
                    velocity_hours: int = 24, cumulative_hours: int = 24, exclude_refund_id: str = "") -> Totals:
-    """What every scope has already refunded in the payment's currency, counting each refund that
-    is not denied, rejected, expired, canceled or failed, whoever made it (agent, staff, gateway).
-    ``exclude_refund_id``: the refund being decided, when it is already written."""
+    """What every scope has already refunded in the payment's currency (the payment's own refunds in
+    any currency), counting each refund that is not denied, rejected, expired, canceled or failed,
+    whoever made it (agent, staff, gateway). ``exclude_refund_id``: the refund being decided, when it is already written."""
     return totals_and_pause(payment=payment, agent_id=agent_id, session_id=session_id, now=now,
                             velocity_hours=velocity_hours, cumulative_hours=cumulative_hours,
                             exclude_refund_id=exclude_refund_id)[0]
@@ -234,7 +234,10 @@ def _running_totals_orm(p: dict) -> Totals:
         m_count=Count("id", filter=Q(counted_at__gte=p["month"])), m_sum=total(Q(counted_at__gte=p["month"])),
         velocity=Count("id", filter=Q(counted_at__gte=p["velocity"])),
         agents=total(by_agents & Q(counted_at__gte=p["cumulative"])))
-    on_payment = counting.filter(payment_id=p["payment"]).aggregate(count=Count("id"), agents=total(by_agents))
+    # The payment's refunds in every currency, as the statement counts them (a refund is written in
+    # its payment's currency; counting any other too is the stricter reading).
+    on_payment = (Refund.objects.filter(status__in=p["states"], payment_id=p["payment"]).exclude(pk=p["exclude"])
+                  .aggregate(count=Count("id"), agents=total(by_agents)))
     agent = {"hour": 0, "day": 0, "session": 0}
     if p["agent"]:
         in_session = Q(agent_session_id=p["session"]) if p["session"] else Q(pk__in=[])

@@ -621,3 +621,342 @@ def test_a_fold_reads_the_buckets_written_to_since_the_last_one_not_every_row_ke
     assert drop_old_totals() == 1
     assert list(RefundTotalDelta.objects.filter(agent_id="ag_old").values_list("amount_minor", flat=True)) == [7]
     assert RefundTotalDelta.objects.count() == 2000 + 1 + 1  # the folded sums, the new one, the 7
+
+
+# ---- third review ----------------------------------------------------------------------------------
+
+def _sql_equals_orm(payment, agent_id, now, excludes=("",)):
+    for exclude in excludes:
+        for agent in (agent_id, None):
+            sql = running_totals(payment=payment, agent_id=agent, session_id="", now=now, exclude_refund_id=exclude)
+            assert sql == _orm_totals(payment, agent, now, exclude), (exclude, agent)
+
+
+def test_a_refund_moving_between_counting_states_while_its_amount_changes_counts_its_new_amount(db):
+    """Third review: held -> approved -> submitted -> settled, each with a new amount (and once a new
+    counted_at and agent in the same statement): the kept totals follow the amount, never the old one."""
+    key, _ = make_agent_key()
+    other, _ = make_agent_key()
+    payment, now = make_payment(amount=10**7), timezone.now()
+    refund = Refund.objects.create(payment=payment, amount_minor=500, currency="USD", reason="duplicate",
+                                   agent=key.agent, status=RefundState.HELD, counted_at=now - timedelta(minutes=5))
+    steps = [{"status": RefundState.APPROVED, "amount_minor": 400},
+             {"status": RefundState.SUBMITTED, "amount_minor": 450, "counted_at": now - timedelta(minutes=50)},
+             {"status": RefundState.SETTLED, "amount_minor": 30, "agent": other.agent},
+             {"status": RefundState.REQUESTED, "amount_minor": 31, "agent": key.agent, "counted_at": now}]
+    for step in steps:
+        Refund.objects.filter(pk=refund.pk).update(**step)
+        kept, scanned = kept_and_scanned()
+        assert kept == scanned
+        _sql_equals_orm(payment, key.agent_id, now, ("", refund.pk))
+        _sql_equals_orm(payment, other.agent_id, now, ("", refund.pk))
+    assert running_totals(payment=payment, agent_id=key.agent_id, session_id="", now=now).agent_hour_minor == 31
+    fold_totals()
+    assert running_totals(payment=payment, agent_id=key.agent_id, session_id="", now=now).agent_hour_minor == 31
+
+
+def test_bulk_create_upserts_and_a_delete_of_many_refunds_keep_the_totals(db):
+    """Third review: bulk_create (plain, ignore_conflicts, update_conflicts: an upsert that moves a
+    counting refund to another counting state and amount) and the ORM's delete() of many rows."""
+    key, _ = make_agent_key()
+    payment, now = make_payment(amount=10**8), timezone.now()
+
+    def batch(amount, status):
+        return [Refund(payment=payment, amount_minor=amount + i, currency="USD", reason="duplicate",
+                       agent=key.agent if i % 2 else None, status=status, counted_at=now - timedelta(minutes=i))
+                for i in range(150)]
+
+    made = Refund.objects.bulk_create(batch(10, RefundState.APPROVED))
+    assert kept_and_scanned()[0] == kept_and_scanned()[1] != []
+    again = batch(20, RefundState.SUBMITTED)
+    for refund, old in zip(again, made):
+        refund.pk = old.pk
+    Refund.objects.bulk_create(again[:50], ignore_conflicts=True)  # nothing written
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned
+    Refund.objects.bulk_create(again, update_conflicts=True, unique_fields=["id"],
+                               update_fields=["status", "amount_minor", "counted_at"])
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned
+    _sql_equals_orm(payment, key.agent_id, now)
+    Refund.objects.filter(pk__in=[r.pk for r in made[:120]]).delete()
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned
+    fold_totals()
+    _sql_equals_orm(payment, key.agent_id, now, ("", made[130].pk))
+
+
+@pytest.mark.parametrize("step", [timedelta(0), timedelta(microseconds=1), -timedelta(microseconds=1)])
+def test_the_hours_first_bucket_at_its_start_exactly_counts_each_refund_once(db, step):
+    """Third review: now - 1h exactly on a bucket boundary (and a microsecond either side): the refunds
+    at the boundary, a microsecond before it and after it, folded or not, excluded or not."""
+    key, _ = make_agent_key()
+    payment = make_payment(amount=10**8)
+    boundary = first_bucket_from(timezone.now() - timedelta(hours=2))
+    now = boundary + timedelta(hours=1) + step
+    made = [Refund.objects.create(payment=payment, amount_minor=10 + i, currency="USD", reason="duplicate",
+                                  agent=key.agent, status=RefundState.APPROVED, counted_at=boundary + offset).pk
+            for i, offset in enumerate([-timedelta(microseconds=1), timedelta(0), timedelta(microseconds=1),
+                                        timedelta(minutes=15) - timedelta(microseconds=1)])]
+    _sql_equals_orm(payment, key.agent_id, now, ("", *made))
+    fold_totals()
+    _sql_equals_orm(payment, key.agent_id, now, ("", *made))
+
+
+def _zone_just_past_midnight() -> str:
+    hour = timezone.now().astimezone(UTC).hour
+    return f"Etc/GMT+{hour}" if hour <= 12 else f"Etc/GMT-{24 - hour}"
+
+
+def test_a_fold_dropping_the_old_buckets_leaves_the_hour_that_began_yesterday(db):
+    """Third review: in a zone where it is just past midnight, the last hour began yesterday; a fold
+    (dropping buckets over 3 days old) between reads leaves yesterday's last hour and the day exact."""
+    from django.test import override_settings
+
+    with override_settings(TIME_ZONE=_zone_just_past_midnight()):
+        key, _ = make_agent_key()
+        payment, now = make_payment(amount=10**8), timezone.now()
+        day = start_of_day(now)
+        assert now - timedelta(hours=1) < day <= now
+        offsets = [timedelta(days=-4), timedelta(days=-3, minutes=-1), timedelta(days=-1), now - day - timedelta(hours=1, seconds=1),
+                   now - day - timedelta(minutes=59), -timedelta(microseconds=1), timedelta(0), now - day]
+        made = [Refund.objects.create(payment=payment, amount_minor=10 + i, currency="USD", reason="duplicate",
+                                      agent=key.agent, status=RefundState.APPROVED, counted_at=day + offset).pk
+                for i, offset in enumerate(offsets)]
+        _sql_equals_orm(payment, key.agent_id, now, ("", *made))
+        fold_totals()
+        _sql_equals_orm(payment, key.agent_id, now, ("", *made))
+        Refund.objects.filter(pk=made[0]).update(counted_at=now)  # 4 days old, moved to now after the fold
+        Refund.objects.filter(pk=made[3]).update(status=RefundState.FAILED)
+        fold_totals()
+        _sql_equals_orm(payment, key.agent_id, now, ("", *made))
+
+
+def test_a_rebuild_killed_after_its_delete_changes_nothing(db, monkeypatch):
+    """Third review: a rebuild that dies between its DELETE and its INSERT (one transaction) leaves the
+    kept totals as they were, not empty."""
+    from refundops.services import totals
+
+    payment = make_payment(amount=10**7)
+    Refund.objects.create(payment=payment, amount_minor=700, currency="USD", reason="duplicate",
+                          status=RefundState.APPROVED)
+    before = kept_and_scanned()
+    monkeypatch.setattr(totals, "_REBUILD_SQL", "SELECT 1 / 0")
+    from django.db import DataError
+
+    with pytest.raises(DataError):  # division by zero
+        totals.rebuild_totals()
+    assert kept_and_scanned() == before and before[0] == before[1] == [("USD", "", 700)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_fold_whose_connection_dies_before_commit_changes_nothing():
+    """Third review: the fold's backend killed after its statement ran, before its commit."""
+    from django.db import InterfaceError, OperationalError, connections
+
+    payment, at = make_payment(amount=10**7), timezone.now()
+    for amount in (100, 200, 300):
+        Refund.objects.create(payment=payment, amount_minor=amount, currency="USD", reason="duplicate",
+                              status=RefundState.APPROVED, counted_at=at)
+    folded, kill = threading.Event(), threading.Event()
+
+    def fold_and_die():
+        try:
+            with transaction.atomic():
+                assert fold_totals() == 2
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT pg_backend_pid()")
+                    pid[0] = cursor.fetchone()[0]
+                folded.set()
+                kill.wait(10)
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT 1")
+        except (OperationalError, InterfaceError) as exc:  # the connection is gone
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    pid, errors = [None], []
+    thread = threading.Thread(target=fold_and_die)
+    thread.start()
+    assert folded.wait(10)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(%s)", [pid[0]])
+    kill.set()
+    thread.join(10)
+    assert errors
+    assert RefundTotalDelta.objects.count() == 3
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned == [("USD", "", 600)]
+
+
+def test_a_refund_in_another_currency_on_the_payment_is_counted_alike_by_the_sql_and_the_orm(db):
+    """Third review (SQL and ORM readings): the payment's refund count and agents' sum. The
+    statement counted the payment's refunds in every currency, the ORM (SQLite mode) in the
+    payment's only; both now count every one (the stricter; the services write a refund in its
+    payment's currency)."""
+    key, _ = make_agent_key()
+    payment, now = make_payment(amount=10**7), timezone.now()
+    Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
+                          agent=key.agent, status=RefundState.APPROVED, origin=Refund.Origin.AGENT)
+    Refund.objects.create(payment=payment, amount_minor=300, currency="EUR", reason="duplicate",
+                          agent=key.agent, status=RefundState.APPROVED, origin=Refund.Origin.AGENT)
+    _sql_equals_orm(payment, key.agent_id, now)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("seconds", ["0", "0.0004"])
+def test_a_rebuild_told_to_wait_no_time_gives_up_at_once_not_never(seconds):
+    """Third review: --lock-timeout 0 (or under a millisecond, made 0 ms) set lock_timeout to 0,
+    which PostgreSQL reads as no timeout: the rebuild queued behind a long refund transaction for
+    as long as it ran, holding every new refund behind it, the very thing the timeout is for."""
+    import time
+
+    from django.core.management import CommandError, call_command
+
+    payment = make_payment(amount=10**7)
+    writing, release = threading.Event(), threading.Event()
+
+    def work(i: int) -> str:
+        if i == 0:
+            with transaction.atomic():
+                Refund.objects.create(payment=payment, amount_minor=5, currency="USD", reason="duplicate",
+                                      status=RefundState.APPROVED)
+                writing.set()
+                release.wait(5)
+            return ""
+        writing.wait(10)
+        started = time.monotonic()
+        try:
+            call_command("rebuild_refund_totals", "--lock-timeout", seconds, stdout=io.StringIO())
+        except CommandError:
+            return f"gave up after {time.monotonic() - started:.1f} s"
+        finally:
+            release.set()
+        return f"rebuilt after {time.monotonic() - started:.1f} s"
+
+    assert race(2, work)[1] == "gave up after 0.0 s"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_decision_behind_the_agents_lock_reads_the_refund_committed_while_it_waited():
+    """Third review (READ COMMITTED): a writer holding the agent's and the currency's locks writes a
+    refund, a fold runs, the writer commits; the decision that waited for the locks reads, in its one
+    statement, the refund in the agent's hour and day and in the currency's day (buckets and refunds
+    alike), and then a refund committed after its statement only in its next one."""
+    import time
+
+    from refundops.locks import lock_scopes
+
+    key, _ = make_agent_key()
+    payment = make_payment(amount=10**8)
+    Refund.objects.create(payment=payment, amount_minor=40, currency="USD", reason="duplicate",
+                          agent=key.agent, status=RefundState.APPROVED)
+    locked = threading.Event()
+    scopes = {"customer_id": payment.customer_id, "agent_id": key.agent_id, "currency": "USD", "exclusive": True}
+
+    def work(i: int):
+        if i == 0:
+            with transaction.atomic():
+                lock_scopes(**scopes)
+                Refund.objects.create(payment=payment, amount_minor=500, currency="USD", reason="duplicate",
+                                      agent=key.agent, status=RefundState.SUBMITTED)
+                locked.set()
+                time.sleep(0.3)
+                fold_totals()  # another connection's fold: it does not see the uncommitted rows
+            return None
+        locked.wait(10)
+        with transaction.atomic():
+            lock_scopes(**scopes)
+            now = timezone.now()
+            first = running_totals(payment=payment, agent_id=key.agent_id, session_id="", now=now)
+            Refund.objects.create(payment=payment, amount_minor=7, currency="USD", reason="duplicate",
+                                  agent=key.agent, status=RefundState.HELD)
+            second = running_totals(payment=payment, agent_id=key.agent_id, session_id="", now=now)
+        return first, second
+
+    first, second = race(2, work)[1]
+    assert (first.agent_hour_minor, first.agent_day_minor, first.global_day_minor) == (540, 540, 540)
+    assert (second.agent_hour_minor, second.agent_day_minor, second.global_day_minor) == (547, 547, 547)
+    fold_totals()
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_updates_of_one_refund_waiting_on_its_row_each_take_back_what_the_other_left():
+    """Third review: an update (counting state to counting state, a new amount) waits on the row
+    another update holds (amount, agent); the trigger's OLD is the row the other committed, not the
+    one the waiting statement first saw: the kept totals end at the refund's last amount, once."""
+    import time
+
+    from django.db.models import F
+
+    key, _ = make_agent_key()
+    payment = make_payment(amount=10**8)
+    refund = Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
+                                   agent=None, status=RefundState.APPROVED)
+    holding = threading.Event()
+
+    def work(i: int) -> None:
+        if i == 0:
+            with transaction.atomic():
+                Refund.objects.filter(pk=refund.pk).update(amount_minor=200, agent=key.agent)
+                holding.set()
+                time.sleep(0.3)
+            return
+        holding.wait(10)
+        Refund.objects.filter(pk=refund.pk, status=RefundState.APPROVED).update(
+            status=RefundState.SUBMITTED, amount_minor=F("amount_minor") + 1)
+
+    race(2, work)
+    assert Refund.objects.get(pk=refund.pk).amount_minor == 201
+    kept, scanned = kept_and_scanned()
+    assert kept == scanned == [("USD", "", 201), ("USD", key.agent_id, 201)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_refunds_changes_and_folds_read_alike_by_the_sql_and_the_orm(db, seed):
+    """Third review: refunds of two agents and none, in two currencies, counted around the day's and
+    the hour's edges (a now that falls on, just before and just after a bucket boundary), changed in
+    state, amount, agent and counted_at, folded now and then: every reading of the statement equals
+    the ORM's, each refund excluded in turn."""
+    from django.test import override_settings
+
+    rng = random.Random(seed)
+    zone = ["UTC", "Asia/Kathmandu", "America/St_Johns", _zone_just_past_midnight()][seed]
+    with override_settings(TIME_ZONE=zone):
+        agents = [make_agent_key()[0].agent for _ in range(2)]
+        usd = make_payment(amount=10**9)
+        eur = make_payment(amount=10**9, currency="EUR", customer=usd.customer)
+        base = first_bucket_from(timezone.now() - timedelta(hours=2))
+        nows = [base + timedelta(hours=1) + timedelta(microseconds=d) for d in (-1, 0, 1)] + [timezone.now()]
+        states = list(RefundState)
+        made = []
+        for n in range(60):
+            now = rng.choice(nows)
+            anchors = [start_of_day(now), now - timedelta(hours=1), first_bucket_from(now - timedelta(hours=1)), now,
+                       now - timedelta(days=3, minutes=1)]
+            at = rng.choice(anchors) + timedelta(microseconds=rng.choice([-1, 0, 1, 10**6 * rng.randint(-1200, 1200)]))
+            choice = rng.random()
+            if not made or choice < 0.5:
+                payment = rng.choice([usd, eur])
+                made.append(Refund.objects.create(payment=payment, amount_minor=rng.randint(1, 999), currency=payment.currency,
+                                                  reason="duplicate", agent=rng.choice([*agents, None]),
+                                                  status=rng.choice(states), counted_at=at).pk)
+            elif choice < 0.85:
+                Refund.objects.filter(pk=rng.choice(made)).update(
+                    **rng.choice([{"status": rng.choice(states)}, {"amount_minor": rng.randint(1, 999)},
+                                  {"agent": rng.choice([*agents, None])}, {"counted_at": at},
+                                  {"status": rng.choice(states), "amount_minor": rng.randint(1, 999), "counted_at": at}]))
+            elif choice < 0.95:
+                fold_totals()
+            else:
+                Refund.objects.filter(pk=made.pop(rng.randrange(len(made)))).delete()
+            if n % 10 == 9:
+                for payment in (usd, eur):
+                    for agent in (*agents, None):
+                        for exclude in ["", *rng.sample(made, min(4, len(made)))]:
+                            sql = running_totals(payment=payment, agent_id=agent and agent.pk, session_id="",
+                                                 now=now, exclude_refund_id=exclude)
+                            assert sql == _orm_totals(payment, agent and agent.pk, now, exclude), (n, exclude)

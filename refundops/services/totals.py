@@ -3,6 +3,8 @@ replaced by their sum), the rebuild after a load the trigger did not see, and lo
 
 from __future__ import annotations
 
+import math
+
 from django.db import connection, transaction
 from django.db.models.signals import post_save, pre_save
 from django.dispatch import receiver
@@ -72,7 +74,7 @@ def drop_old_totals() -> int:
         return cursor.rowcount
 
 
-def rebuild_totals(*, lock_timeout_ms: int = 5_000) -> int:
+def rebuild_totals(*, lock_timeout_ms: float = 5_000) -> int:
     """The kept totals made again from the refunds, for a load that bypassed the trigger (a restore
     with triggers disabled, ``session_replication_role = replica``). Refund writers wait until it
     commits (the lock), readers do not; a fold under way is waited for and none starts until it
@@ -82,7 +84,9 @@ def rebuild_totals(*, lock_timeout_ms: int = 5_000) -> int:
     if connection.vendor != "postgresql":
         return 0
     with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{int(lock_timeout_ms)}ms"])
+        # At least 1 ms: PostgreSQL reads a lock_timeout of 0 as none (wait for ever), the opposite of
+        # "--lock-timeout 0" (or under a millisecond, made 0 ms).
+        cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{max(1, math.ceil(lock_timeout_ms))}ms"])
         # The fold's lock, waited for: a fold (or another rebuild) under way deletes rows and inserts
         # their sum; this DELETE would skip the rows it deleted and never see the sum (not in its
         # snapshot), which would stay next to the rows rebuilt here: each refund counted twice.

@@ -18,7 +18,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, lock_timeout: float, **options) -> None:
         try:
-            rows = rebuild_totals(lock_timeout_ms=int(lock_timeout * 1000))
+            rows = rebuild_totals(lock_timeout_ms=lock_timeout * 1000)  # at least 1 ms (0 would be none)
         except OperationalError as exc:
             raise CommandError(f"Nothing changed: a transaction writing refunds held its lock for over "
                                f"{lock_timeout:g} s ({exc}). Run it again when it is done, or with a "
