@@ -18,8 +18,10 @@ and drives both with wrk (``bench/refunds.lua``: C, keep-alive, light beside the
 machine), ``--clients`` connections, every request on a payment of its own: a warm-up each, then
 alternating rounds. It prints throughput, p50 and p99 of each, their ratio and issue 11's goals
 (one client: full p50 <= 8 ms; 32 clients: full >= 200 req/s and >= 25 % of the floor, p99 <= 250 ms,
-no errors); ``--json`` prints one object instead: ``{"clients", "full": {"rps", "p50_ms", "p99_ms",
-"errors"}, "floor": {...}, "ratio"}``. Both servers are gunicorn with ``--workers`` processes:
+no errors), and the CPU a request cost each part in the same rounds (bench/cpu.py: the server's
+processes, the database's backends, Redis, wrk; on two cores the ratio is about the inverse of the
+totals'); ``--json`` prints one object instead: ``{"clients", "full": {"rps", "p50_ms", "p99_ms",
+"errors", "cpu_ms"}, "floor": {...}, "ratio"}``. Both servers are gunicorn with ``--workers`` processes:
 ``--server wsgi`` (sync workers, refundops.wsgi) or ``asgi`` (uvicorn workers, refundops.asgi, as
 gunicorn.conf.py deploys it); the database connection is the platform's default for that mode. The
 machine is shared and noisy: read medians and ratios, and run it more than once.
@@ -45,6 +47,10 @@ import psycopg
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path[:1]:
+    sys.path.insert(0, str(ROOT))  # run as a script: the project first
+from bench import cpu  # after the path is set
+
 DB_NAME = os.environ.get("BENCH_DB_NAME", "refundops_bench")  # one per checkout when several measure at once
 PG = "postgres://postgres@127.0.0.1:5432"
 AMOUNT = 500
@@ -213,14 +219,24 @@ class Result:
     ok: int
     latencies: list[tuple[float, float]]  # (seconds, how many requests it stands for), from wrk's percentiles
     errors: dict[str, int]
+    cpu_seconds: dict[str, float]  # by part (bench/cpu.py), over the round; empty without /proc
 
     @property
     def throughput(self) -> float:
         return self.ok / self.seconds
 
-    def summary(self) -> dict[str, float | int]:
+    def cpu_ms(self) -> dict[str, float]:
+        """CPU a completed request, by part: server, postgres, redis, wrk, and their total."""
+        done = max(self.ok + sum(self.errors.values()), 1)
+        parts = {name: round(s * 1000 / done, 2) for name, s in self.cpu_seconds.items()}
+        if parts:
+            parts["total"] = round(sum(self.cpu_seconds.values()) * 1000 / done, 2)
+        return parts
+
+    def summary(self) -> dict[str, float | int | dict]:
         return {"rps": round(self.throughput, 1), "p50_ms": round(self.percentile(0.5), 2),
-                "p99_ms": round(self.percentile(0.99), 2), "errors": sum(self.errors.values())}
+                "p99_ms": round(self.percentile(0.99), 2), "errors": sum(self.errors.values()),
+                "cpu_ms": self.cpu_ms()}
 
     def percentile(self, p: float) -> float:
         total, seen = sum(w for _, w in self.latencies), 0.0
@@ -231,19 +247,41 @@ class Result:
         return float("nan")
 
 
+def meter(server: subprocess.Popen, db_name: str = DB_NAME) -> cpu.Meter | None:
+    """What a round costs in CPU: the server's processes, the database's backends (the server's, and
+    the driver's folding), Redis."""
+    if not cpu.available():
+        return None
+    import redis
+
+    redis_pid = int(redis.Redis.from_url(ENV["REDIS_URL"]).info("server")["process_id"])
+
+    def backends() -> set[int]:
+        with psycopg.connect(f"{PG}/{db_name}", autocommit=True) as conn:
+            return {pid for (pid,) in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND backend_type = 'client backend'"
+                " AND pid <> pg_backend_pid()", (db_name,))}
+
+    return cpu.Meter({"server": lambda: cpu.descendants(server.pid), "postgres": backends,
+                      "redis": lambda: {redis_pid}})
+
+
 def drive(name: str, url: str, *, keys: list[str], payments: list[list[str]], seconds: float,
-          wrk_threads: int) -> Result:
+          wrk_threads: int, meter: cpu.Meter | None = None) -> Result:
     """wrk (C, keep-alive, ``bench/refunds.lua``) with one connection per client, each request a
     refund on a payment of its own under that client's key. Counts only approved refunds (201
-    for the floor); anything else is an error, listed."""
+    for the floor); anything else is an error, listed. With ``meter``, the CPU each part spent."""
     with tempfile.NamedTemporaryFile("w", suffix=".plan") as plan:
         plan.writelines(f"{keys[c]} {c} {ps[j]}\n" for j in range(len(payments[0])) for c, ps in enumerate(payments))
         plan.flush()
+        if meter:
+            meter.start()
         out = subprocess.run(
             ["wrk", "-t", str(wrk_threads), "-c", str(len(keys)), "-d", f"{seconds:.0f}s", "--timeout", "30s",
              "-s", str(ROOT / "bench" / "refunds.lua"), f"{url}/api/v1/refunds", "--",
              plan.name, name, str(wrk_threads), uuid.uuid4().hex],
             check=True, capture_output=True, text=True).stdout
+        spent = meter.stop() if meter else {}
     quantiles: list[tuple[float, float]] = []
     errors: dict[str, int] = {}
     for line in out.splitlines():
@@ -259,7 +297,7 @@ def drive(name: str, url: str, *, keys: list[str], payments: list[list[str]], se
     completed = ok + sum(errors.values())
     steps = zip([0.0] + [p for p, _ in quantiles], quantiles)
     return Result(name, duration, ok, [(latency, (p - before) / 100 * completed) for before, (p, latency) in steps],
-                  errors)
+                  errors, spent)
 
 
 def merged(name: str, results: list[Result]) -> Result:
@@ -267,8 +305,12 @@ def merged(name: str, results: list[Result]) -> Result:
     for r in results:
         for code, count in r.errors.items():
             errors[code] = errors.get(code, 0) + count
+    spent: dict[str, float] = {}
+    for r in results:
+        for part, seconds in r.cpu_seconds.items():
+            spent[part] = spent.get(part, 0.0) + seconds
     return Result(name, sum(r.seconds for r in results), sum(r.ok for r in results),
-                  [x for r in results for x in r.latencies], errors)
+                  [x for r in results for x in r.latencies], errors, spent)
 
 
 def main() -> None:
@@ -299,6 +341,7 @@ def main() -> None:
     def slice_(payments: list[list[str]], n: int) -> list[list[str]]:
         return [p[n * args.per_round:(n + 1) * args.per_round] for p in payments]
 
+    meters = {name: meter(server) for name, (server, _) in servers.items()}
     folding = Folding()
     try:
         for name, payments in (("full", full_payments), ("floor", floor_payments)):
@@ -308,7 +351,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name, payments in (("full", full_payments), ("floor", floor_payments)):
                 runs[name].append(drive(name, servers[name][1], keys=keys, payments=slice_(payments, round_),
-                                        seconds=args.seconds, wrk_threads=args.wrk_threads))
+                                        seconds=args.seconds, wrk_threads=args.wrk_threads, meter=meters[name]))
     finally:
         folding.stop()
         for server, _ in servers.values():
@@ -335,6 +378,10 @@ def main() -> None:
               f"{r.ok:7d}  {sum(r.errors.values())}")
         for code, n in sorted(r.errors.items()):
             print(f"       {n} x {code}")
+    if full.cpu_seconds:
+        print("CPU a request, ms (server, postgres, redis, wrk): " + "; ".join(
+            f"{r.name} " + ", ".join(f"{v:.2f}" for k, v in r.cpu_ms().items() if k != "total")
+            + f" = {r.cpu_ms()['total']:.2f}" for r in results))
     print(f"full / floor throughput: {ratio:.2f}; median latency full / floor: "
           f"{full.percentile(0.5) / floor.percentile(0.5):.1f}x")
     print("goals (issue 11): " + "; ".join(f"{name}: {'met' if met else 'MISSED'}" for name, met in goals))

@@ -1,0 +1,80 @@
+"""CPU time of the processes a benchmark run keeps busy, read from ``/proc`` (Linux) before and after
+it: the server (gunicorn's master and every process under it, each with all its threads), the
+PostgreSQL backends connected to the benchmark's database, Redis, and the load generator (wrk, a
+child of the driver). On two cores a run is CPU-bound, so these are what a request costs and
+where: the throughput is the cores divided by their sum."""
+
+from __future__ import annotations
+
+import os
+import resource
+from collections.abc import Callable
+from pathlib import Path
+
+PROC = Path("/proc")
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_seconds(pid: int) -> float | None:
+    """User and system CPU seconds of process ``pid`` and all its threads; None once it is gone."""
+    try:
+        stat = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # the name, in parentheses, may hold spaces
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def descendants(root: int) -> set[int]:
+    """``root`` and every process under it."""
+    children: dict[int, list[int]] = {}
+    for entry in PROC.iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def children_seconds() -> float:
+    """CPU seconds of the driver's children that have been waited for (wrk, run to its end)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Meter:
+    """CPU seconds by part, between ``start()`` and ``stop()``. ``parts`` maps a part's name to a
+    function giving its pids at that moment; a process that starts in between counts from zero,
+    one that ends in between is lost (none should: connections are kept, workers live)."""
+
+    def __init__(self, parts: dict[str, Callable[[], set[int]]]) -> None:
+        self.parts = parts
+        self.before: dict[str, dict[int, float]] = {}
+        self.children_before = 0.0
+
+    def _read(self) -> dict[str, dict[int, float]]:
+        readings: dict[str, dict[int, float]] = {}
+        for name, pids in self.parts.items():
+            readings[name] = {pid: s for pid in pids() if (s := process_seconds(pid)) is not None}
+        return readings
+
+    def start(self) -> None:
+        self.before, self.children_before = self._read(), children_seconds()
+
+    def stop(self) -> dict[str, float]:
+        after = self._read()
+        spent = {name: sum(max(s - self.before.get(name, {}).get(pid, 0.0), 0.0) for pid, s in pids.items())
+                 for name, pids in after.items()}
+        spent["wrk"] = children_seconds() - self.children_before
+        return spent
+
+
+def available() -> bool:
+    return (PROC / "self" / "stat").exists()
