@@ -102,3 +102,24 @@ def test_the_worker_settles_an_approved_refund_in_32_statements_and_pays_it_once
     assert (payment.amount_reserved_minor, payment.amount_refunded_minor) == (0, 1_250)
     assert AuditEntry.objects.filter(action="refund.settled", subject_id=refund_id).exists()
     assert set(refund.history.values_list("status", flat=True)) >= {"approved", "submitted", "settled"}
+
+
+@pytest.mark.django_db
+def test_the_tables_every_refund_writes_carry_no_prefix_search_twins():
+    # Django gives each indexed CharField on PostgreSQL a varchar_pattern_ops twin for LIKE 'x%';
+    # nothing searches these columns by prefix, and an approved refund wrote 22 entries into them
+    # (migration 0017). Equality keeps its plain index.
+    tables = ["refundops_refund", "refundops_historicalrefund", "audit_verdict", "audit_auditentry"]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT indexname FROM pg_indexes WHERE tablename = ANY(%s)"
+                       " AND indexdef LIKE '%%varchar_pattern_ops%%'", [tables])
+        assert cursor.fetchall() == []
+        cursor.execute("SELECT tablename, indexdef FROM pg_indexes WHERE tablename = ANY(%s)", [tables])
+        plain = {(table, definition.rsplit("(", 1)[1].rstrip(")")) for table, definition in cursor.fetchall()}
+    for table in ("refundops_refund", "refundops_historicalrefund"):
+        for column in ("id", "payment_id", "agent_id", "agent_session_id", "verdict_id"):
+            assert (table, column) in plain, (table, column)
+    for column in ("id", "code", "agent_id", "payment_id", "refund_id"):
+        assert ("audit_verdict", column) in plain, column
+    for column in ("action", "subject_id"):
+        assert ("audit_auditentry", column) in plain, column

@@ -1,0 +1,52 @@
+"""Drop the ``varchar_pattern_ops`` twins of the indexes on the tables every refund decision writes.
+
+On PostgreSQL Django gives every indexed ``CharField`` (foreign keys and primary keys included) a
+second index, ``…_like``, for ``LIKE 'prefix%'`` (``__startswith``). Nothing here filters these
+columns by prefix (equality is served by the plain index, which PostgreSQL then uses), yet an
+approved refund wrote 22 entries into them: a fifth of its index work (docs/PERFORMANCE.md). A later
+``AlterField`` of one of these columns may make Django create its twin again; drop it again then.
+Reversing recreates them."""
+
+from django.db import migrations
+
+COLUMNS = {
+    "refundops_refund": ("id", "payment_id", "agent_id", "agent_session_id", "verdict_id"),
+    "refundops_historicalrefund": ("id", "payment_id", "agent_id", "agent_session_id", "verdict_id"),
+    "audit_verdict": ("id", "code", "agent_id", "payment_id", "refund_id"),
+    "audit_auditentry": ("action", "subject_id"),
+}
+
+
+def pattern_ops_indexes(cursor) -> list[tuple[str, str]]:
+    """(index, its definition) of each ``varchar_pattern_ops`` index on one of COLUMNS."""
+    cursor.execute("SELECT tablename, indexname, indexdef FROM pg_indexes WHERE schemaname = current_schema()"
+                   " AND tablename = ANY(%s) AND indexdef LIKE %s", [list(COLUMNS), "%varchar_pattern_ops%"])
+    return [(name, definition) for table, name, definition in cursor.fetchall()
+            if any(f"({column} varchar_pattern_ops)" in definition for column in COLUMNS[table])]
+
+
+def drop(apps, schema_editor) -> None:
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    with schema_editor.connection.cursor() as cursor:
+        for name, _ in pattern_ops_indexes(cursor):
+            schema_editor.execute(f"DROP INDEX IF EXISTS {schema_editor.quote_name(name)}")
+
+
+def recreate(apps, schema_editor) -> None:
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    for table, columns in COLUMNS.items():
+        model = next(m for m in apps.get_models() if m._meta.db_table == table)
+        for column in columns:
+            field = next(f for f in model._meta.local_fields if f.column == column)
+            schema_editor.execute(schema_editor._create_like_index_sql(model, field))
+
+
+class Migration(migrations.Migration):
+    dependencies = [
+        ("refundops", "0016_refund_totals"),
+        ("audit", "0003_verdict_policy_input_shadow"),
+    ]
+
+    operations = [migrations.RunPython(drop, recreate)]
