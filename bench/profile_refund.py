@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.refunds import DB_NAME, PG, recreate_database, seed  # noqa: E402
+from bench.refunds import DB_NAME, PG, analyze, recreate_database, seed  # noqa: E402
 from bench.wire import on_the_wire  # noqa: E402
 
 
@@ -166,6 +166,7 @@ def main() -> None:
     for _ in range(50):  # warm: imports, caches, the key's first use, the connection
         one()
     drain_sender()
+    analyze()  # statistics that know the warm-up's refunds (bench.refunds.analyze)
 
     # Redis: every command and every round trip (a pipeline is one), by thread: the request's own,
     # and the others' (the outbox's sender).
