@@ -40,7 +40,9 @@ def recreate(apps, schema_editor) -> None:
         model = next(m for m in apps.get_models() if m._meta.db_table == table)
         for column in columns:
             field = next(f for f in model._meta.local_fields if f.column == column)
-            schema_editor.execute(schema_editor._create_like_index_sql(model, field))
+            statement = schema_editor._create_like_index_sql(model, field)  # None: the field needs none now
+            if statement is not None:
+                schema_editor.execute(statement)
 
 
 class Migration(migrations.Migration):
