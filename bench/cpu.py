@@ -2,7 +2,12 @@
 it: the server (gunicorn's master and every process under it, each with all its threads), the
 PostgreSQL backends connected to the benchmark's database, Redis, and the load generator (wrk, a
 child of the driver). On two cores a run is CPU-bound, so these are what a request costs and
-where: the throughput is the cores divided by their sum."""
+where: the throughput is the cores divided by their sum.
+
+Not counted: PostgreSQL's own background processes (the WAL writer, the checkpointer), the driver's
+Python, a process that ends within the round. Redis is the whole server: on a machine where other
+checkouts use it at the same time, its figure includes theirs. PostgreSQL and Redis must run on this
+host (in a container their pids are not this ``/proc``'s)."""
 
 from __future__ import annotations
 

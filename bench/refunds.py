@@ -257,8 +257,8 @@ class Result:
 
 
 def meter(server: subprocess.Popen, db_name: str = DB_NAME) -> cpu.Meter | None:
-    """What a round costs in CPU: the server's processes, the database's backends (the server's, and
-    the driver's folding), Redis."""
+    """What a round costs in CPU: the server's processes, the database's backends (the server's, the
+    driver's folding, and autovacuum's while it works on this database), Redis."""
     if not cpu.available():
         return None
     import redis
@@ -268,8 +268,8 @@ def meter(server: subprocess.Popen, db_name: str = DB_NAME) -> cpu.Meter | None:
     def backends() -> set[int]:
         with psycopg.connect(f"{PG}/{db_name}", autocommit=True) as conn:
             return {pid for (pid,) in conn.execute(
-                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND backend_type = 'client backend'"
-                " AND pid <> pg_backend_pid()", (db_name,))}
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()"
+                " AND backend_type IN ('client backend', 'autovacuum worker', 'parallel worker')", (db_name,))}
 
     return cpu.Meter({"server": lambda: cpu.descendants(server.pid), "postgres": backends,
                       "redis": lambda: {redis_pid}})

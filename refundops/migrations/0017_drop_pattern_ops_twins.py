@@ -18,11 +18,15 @@ COLUMNS = {
 
 
 def pattern_ops_indexes(cursor) -> list[tuple[str, str]]:
-    """(index, its definition) of each ``varchar_pattern_ops`` index on one of COLUMNS."""
+    """(index, its definition) of each twin Django made on one of COLUMNS: named ``…_like``, on that
+    column alone with ``varchar_pattern_ops`` (``text_pattern_ops`` for a text column), no predicate.
+    An index someone made by hand for prefix searches is left alone."""
     cursor.execute("SELECT tablename, indexname, indexdef FROM pg_indexes WHERE schemaname = current_schema()"
-                   " AND tablename = ANY(%s) AND indexdef LIKE %s", [list(COLUMNS), "%varchar_pattern_ops%"])
+                   " AND tablename = ANY(%s) AND indexname LIKE %s", [list(COLUMNS), "%\\_like"])
     return [(name, definition) for table, name, definition in cursor.fetchall()
-            if any(f"({column} varchar_pattern_ops)" in definition for column in COLUMNS[table])]
+            if any(definition.endswith((f"USING btree ({column} varchar_pattern_ops)",
+                                        f"USING btree ({column} text_pattern_ops)"))
+                   for column in COLUMNS[table])]
 
 
 def drop(apps, schema_editor) -> None:
@@ -41,8 +45,8 @@ def recreate(apps, schema_editor) -> None:
         for column in columns:
             field = next(f for f in model._meta.local_fields if f.column == column)
             statement = schema_editor._create_like_index_sql(model, field)  # None: the field needs none now
-            if statement is not None:
-                schema_editor.execute(statement)
+            if statement is not None:  # a later AlterField may have made it again already
+                schema_editor.execute(str(statement).replace("CREATE INDEX ", "CREATE INDEX IF NOT EXISTS ", 1))
 
 
 class Migration(migrations.Migration):
