@@ -33,6 +33,9 @@ def drop(apps, schema_editor) -> None:
     if schema_editor.connection.vendor != "postgresql":
         return
     with schema_editor.connection.cursor() as cursor:
+        # DROP INDEX locks its table exclusively and, while it waits for a running transaction,
+        # queues every refund behind it: give up instead (the migration fails; run it again).
+        cursor.execute("SET LOCAL lock_timeout = '10s'")
         for name, _ in pattern_ops_indexes(cursor):
             schema_editor.execute(f"DROP INDEX IF EXISTS {schema_editor.quote_name(name)}")
 
