@@ -17,29 +17,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 PROC = Path("/proc")
-TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def process_seconds(pid: int) -> float | None:
-    """User and system CPU seconds of process ``pid`` and all its threads; None once it is gone."""
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the process's name (state first); None once it is gone."""
     try:
         stat = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # the name, in parentheses, may hold spaces
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    return stat[stat.rindex(")") + 2:].split()  # the name, in parentheses, may hold spaces and ")"
+
+
+def process_seconds(pid: int) -> float | None:
+    """User and system CPU seconds of process ``pid`` and all its threads; None once it is gone."""
+    fields = _stat(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def descendants(root: int) -> set[int]:
     """``root`` and every process under it."""
     children: dict[int, list[int]] = {}
     for entry in PROC.iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, todo = set(), [root]
     while todo:
         pid = todo.pop()

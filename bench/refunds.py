@@ -311,11 +311,10 @@ def drive(name: str, url: str, *, keys: list[str], payments: list[list[str]], se
 
 def merged(name: str, results: list[Result]) -> Result:
     errors: dict[str, int] = {}
+    spent: dict[str, float] = {}
     for r in results:
         for code, count in r.errors.items():
             errors[code] = errors.get(code, 0) + count
-    spent: dict[str, float] = {}
-    for r in results:
         for part, seconds in r.cpu_seconds.items():
             spent[part] = spent.get(part, 0.0) + seconds
     return Result(name, sum(r.seconds for r in results), sum(r.ok for r in results),
@@ -389,9 +388,10 @@ def main() -> None:
         for code, n in sorted(r.errors.items()):
             print(f"       {n} x {code}")
     if full.cpu_seconds:
+        parts = {r.name: r.cpu_ms() for r in results}
         print("CPU a request, ms (server, postgres, redis, wrk): " + "; ".join(
-            f"{r.name} " + ", ".join(f"{v:.2f}" for k, v in r.cpu_ms().items() if k != "total")
-            + f" = {r.cpu_ms()['total']:.2f}" for r in results))
+            f"{name} " + ", ".join(f"{ms[part]:.2f}" for part in ("server", "postgres", "redis", "wrk"))
+            + f" = {ms['total']:.2f}" for name, ms in parts.items()))
     print(f"full / floor throughput: {ratio:.2f}; median latency full / floor: "
           f"{full.percentile(0.5) / floor.percentile(0.5):.1f}x")
     print("goals (issue 11): " + "; ".join(f"{name}: {'met' if met else 'MISSED'}" for name, met in goals))

@@ -3,7 +3,7 @@
 On PostgreSQL Django gives every indexed ``CharField`` (foreign keys and primary keys included) a
 second index, ``…_like``, for ``LIKE 'prefix%'`` (``__startswith``). Nothing here filters these
 columns by prefix (equality is served by the plain index, which PostgreSQL then uses), yet an
-approved refund wrote 22 entries into them: a fifth of its index work (docs/PERFORMANCE.md). A later
+approved refund wrote 22 of its 79 index entries into them (docs/PERFORMANCE.md). A later
 ``AlterField`` of one of these columns may make Django create its twin again; drop it again then.
 Reversing recreates them."""
 
@@ -17,13 +17,13 @@ COLUMNS = {
 }
 
 
-def pattern_ops_indexes(cursor) -> list[tuple[str, str]]:
-    """(index, its definition) of each twin Django made on one of COLUMNS: named ``…_like``, on that
+def pattern_ops_indexes(cursor) -> list[str]:
+    """The name of each twin Django made on one of COLUMNS: named ``…_like``, on that
     column alone with ``varchar_pattern_ops`` (``text_pattern_ops`` for a text column), no predicate.
     An index someone made by hand for prefix searches is left alone."""
     cursor.execute("SELECT tablename, indexname, indexdef FROM pg_indexes WHERE schemaname = current_schema()"
                    " AND tablename = ANY(%s) AND indexname LIKE %s", [list(COLUMNS), "%\\_like"])
-    return [(name, definition) for table, name, definition in cursor.fetchall()
+    return [name for table, name, definition in cursor.fetchall()
             if any(definition.endswith((f"USING btree ({column} varchar_pattern_ops)",
                                         f"USING btree ({column} text_pattern_ops)"))
                    for column in COLUMNS[table])]
@@ -36,7 +36,7 @@ def drop(apps, schema_editor) -> None:
         # DROP INDEX locks its table exclusively and, while it waits for a running transaction,
         # queues every refund behind it: give up instead (the migration fails; run it again).
         cursor.execute("SET LOCAL lock_timeout = '10s'")
-        for name, _ in pattern_ops_indexes(cursor):
+        for name in pattern_ops_indexes(cursor):
             schema_editor.execute(f"DROP INDEX IF EXISTS {schema_editor.quote_name(name)}")
 
 
