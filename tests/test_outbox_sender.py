@@ -25,7 +25,7 @@ from django.conf import settings as django_settings
 from django.db import connection, connections, transaction
 from kombu.transport import redis as kombu_redis
 
-from refundops import outbox
+from refundops import batching, outbox
 from refundops.celery import app as celery_app
 from refundops.logs import REQUEST_ID_TASK_HEADER, bind_request_id
 from refundops.models import OutboxMessage
@@ -287,7 +287,7 @@ import os, sys, django
 os.environ["DJANGO_SETTINGS_MODULE"] = "refundops.settings"
 django.setup()
 from django.db import transaction
-from refundops import outbox
+from refundops import batching, outbox
 with transaction.atomic():
     outbox.send_after_commit("refundops.tasks.poll_refund", {"refund_id": "exiting"}, queue="default")
 sys.exit(0)  # a graceful exit (gunicorn's worker, a management command) right after the commit
@@ -322,7 +322,7 @@ import threading
 import time
 import refundops.asgi  # noqa: F401 - as uvicorn imports it: a psycopg pool, here of one connection
 from django.db import connection, transaction
-from refundops import outbox
+from refundops import batching, outbox
 
 def one_request(i):  # as under ASGI: a thread of its own, its connection given back when it ends
     with transaction.atomic():
@@ -530,7 +530,7 @@ import os, sys, django
 os.environ["DJANGO_SETTINGS_MODULE"] = "refundops.settings"
 django.setup()
 from django.db import transaction
-from refundops import outbox
+from refundops import batching, outbox
 from refundops.logs import bind_request_id
 bind_request_id("req-exit-trip")
 with transaction.atomic():
@@ -555,3 +555,32 @@ def test_a_trip_counted_by_the_sender_at_exit_sends_its_mail_before_the_process_
     assert [m["task"] for m in queued("default")] == ["refundops.tasks.mail_operators"]
     assert request_ids_queued("default") == {"refundops.tasks.mail_operators": "req-exit-trip"}
     assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
+
+
+def test_the_sender_and_the_relay_claim_and_mark_with_prepared_statements(monkeypatch, settings):
+    """The claim and the mark run once a batch: planned every time, they cost PostgreSQL more than
+    running them (docs/PERFORMANCE.md). Sent prepared, on each connection that runs them."""
+    asked: list[tuple[str, bool]] = []
+    statement = batching._Prepared.statement
+
+    def recorded(self, sql, params):
+        made = statement(self, sql, params)
+        asked.append((sql, made is not None))
+        return made
+
+    monkeypatch.setattr(batching._Prepared, "statement", recorded)
+    with broker_at(django_settings.REDIS_URL):
+        commit("first")
+        assert outbox.drain(timeout=30)
+        commit("second", "third")
+    assert (outbox._CLAIM["ids"], True) in asked and (outbox._SENT_SQL, True) in asked
+    assert sent_names() == ["first", "second", "third"]
+    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
+
+    (left,) = OutboxMessage.objects.bulk_create([OutboxMessage(task=POLL, kwargs={"refund_id": "left"},
+                                                               queue="default")])
+    settings.OUTBOX_GRACE_SECONDS = 0
+    with broker_at(django_settings.REDIS_URL):
+        assert outbox.relay_unsent() == 1
+    assert (outbox._CLAIM["any"], True) in asked
+    assert "left" in sent_names() and OutboxMessage.objects.get(pk=left.pk).sent_at is not None
