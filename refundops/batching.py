@@ -223,6 +223,7 @@ def _outside_batch(execute, sql, params, many, context):
             or (state := _prepared_for(connection, sql, many)) is None
             or isinstance(context["cursor"].cursor, psycopg.ServerCursor)):
         return execute(sql, params, many, context)
+    errors_before = connection.errors_occurred
     for attempt in (1, 2):
         with connection.wrap_database_errors:
             statement = state.statement(sql, params)
@@ -245,6 +246,8 @@ def _outside_batch(execute, sql, params, many, context):
         cursor = context["cursor"].cursor
         for _ in first:  # the EXECUTE's result is the current one
             cursor.nextset()
+        if attempt == 2:  # healed: the connection works, so Django need not check it before its next use
+            connection.errors_occurred = errors_before
         return result
 
 

@@ -9,13 +9,15 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from decimal import Decimal
 
 import pytest
 from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
 
 from bench.wire import on_the_wire
-from refundops import batching
+from refundops import batching, outbox
 from refundops.celery import app as celery_app
 from refundops.models import Refund
 from refundops.services import refunds
@@ -75,9 +77,11 @@ def test_each_hot_statement_answers_exactly_what_it_answers_sent_as_it_is(api, p
     assert approved(api).status_code == 201  # the key's first use is stamped: not the steady state
     sent: list[tuple[str, object]] = []
     statement = batching._Prepared.statement
+    request_thread = threading.get_ident()
 
     def recorded(self, sql, params):
-        sent.append((sql, params))
+        if threading.get_ident() == request_thread:  # not the outbox's sender, still on the first refund's rows
+            sent.append((sql, params))
         return statement(self, sql, params)
 
     payment = make_payment(amount=5_000)
@@ -178,6 +182,22 @@ def test_a_session_reset_behind_the_connections_back_heals_on_its_next_read(api,
     assert approved(api).status_code == 201
     assert len(server_names()) == 8
     assert approved(api).status_code == 201
+
+
+def test_a_statement_healed_after_a_reset_leaves_django_nothing_to_distrust():
+    """The failed first try of a statement healed outside a transaction (the outbox's sender marks
+    its batch so, no COMMIT after it) is not an error of the connection: Django, seeing one, would
+    check the connection once at the next ``close_old_connections`` and then skip its next health
+    check (``health_check_done``), so a connection cut after that went unnoticed until a statement
+    failed on it (the sender then left its batch to the relay)."""
+    mark = [timezone.now(), [0]]
+    with connection.cursor() as cursor:
+        cursor.execute(outbox._SENT_SQL, mark)
+        connection.connection.execute("DISCARD ALL")
+        assert server_names() == []
+        cursor.execute(outbox._SENT_SQL, mark)  # healed: prepared anew
+    assert len(server_names()) == 1
+    assert connection.errors_occurred is False
 
 
 def test_a_new_connection_prepares_again(api, policy):
