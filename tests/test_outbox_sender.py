@@ -287,7 +287,7 @@ import os, sys, django
 os.environ["DJANGO_SETTINGS_MODULE"] = "refundops.settings"
 django.setup()
 from django.db import transaction
-from refundops import batching, outbox
+from refundops import outbox
 with transaction.atomic():
     outbox.send_after_commit("refundops.tasks.poll_refund", {"refund_id": "exiting"}, queue="default")
 sys.exit(0)  # a graceful exit (gunicorn's worker, a management command) right after the commit
@@ -322,7 +322,7 @@ import threading
 import time
 import refundops.asgi  # noqa: F401 - as uvicorn imports it: a psycopg pool, here of one connection
 from django.db import connection, transaction
-from refundops import batching, outbox
+from refundops import outbox
 
 def one_request(i):  # as under ASGI: a thread of its own, its connection given back when it ends
     with transaction.atomic():
@@ -530,7 +530,7 @@ import os, sys, django
 os.environ["DJANGO_SETTINGS_MODULE"] = "refundops.settings"
 django.setup()
 from django.db import transaction
-from refundops import batching, outbox
+from refundops import outbox
 from refundops.logs import bind_request_id
 bind_request_id("req-exit-trip")
 with transaction.atomic():
