@@ -34,6 +34,8 @@ from refundops.models import (
     RefundLimits,
 )
 
+from tests.slots import big_race_slot
+
 pytest_plugins = ["tests.fakes.fixtures"]  # fake gateways and a real Celery worker, for any test
 
 _seq = itertools.count(1)
@@ -223,6 +225,11 @@ def quiet_breaker(settings):
 def race(n: int, work: Callable[[int], Any]) -> list[Any]:
     """Run ``work(i)`` in ``n`` threads released together by a barrier; each closes its own
     database connection. Returns the results; fails on the first exception a thread raised."""
+    with big_race_slot(n):
+        return _race(n, work)
+
+
+def _race(n: int, work: Callable[[int], Any]) -> list[Any]:
     barrier = threading.Barrier(n)
     results: list[Any] = [None] * n
 

@@ -25,16 +25,20 @@ def test_a_process_tree_is_charged_with_its_descendants_cpu_and_an_idle_one_with
         time.sleep(0.3)  # both started; the child is busy (for 2 s of CPU)
         meter = cpu.Meter({"tree": lambda: cpu.descendants(parent.pid), "idle": lambda: {idle.pid}})
         meter.start()
+        window = time.monotonic()
         assert len(cpu.descendants(parent.pid)) == 2
         time.sleep(0.4)
         spent = meter.stop()
+        window = time.monotonic() - window
     finally:
         os.killpg(parent.pid, signal.SIGKILL)  # the busy child too
         idle.kill()
         for process in (parent, idle):
             process.wait()
 
-    assert 0.2 <= spent["tree"] <= 0.7, spent  # ~0.4 s of its busy loop fell in the window
+    # Its busy loop ran in the window: charged, and never more than the window's own length (one
+    # thread on one core), however busy the machine is (no CPU-time window, which load would break).
+    assert 0 < spent["tree"] <= window + 0.02, (spent, window)
     assert spent["idle"] < 0.05, spent
     assert spent["wrk"] < 0.05, spent  # no child was waited for in the window
 
@@ -45,7 +49,7 @@ def test_a_waited_child_is_charged_as_the_load_generator_and_a_gone_process_read
     subprocess.run([sys.executable, "-c", BUSY.format(seconds=0.3)], check=True)
     spent = meter.stop()
 
-    assert 0.25 <= spent["wrk"] <= 1.0, spent  # its loop, and the interpreter's start
+    assert spent["wrk"] >= 0.3, spent  # its loop ran until it had spent 0.3 s, the interpreter's start on top
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert cpu.process_seconds(child.pid) is None

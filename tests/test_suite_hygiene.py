@@ -1,0 +1,32 @@
+"""The suite's own plumbing: what keeps two test processes from starving PostgreSQL."""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+
+import pytest
+
+from tests.slots import BIG_RACE, BIG_RACE_LOCK, big_race_slot
+
+HOLD_THE_SLOT = (
+    "import sys; from tests.slots import big_race_slot\n"
+    "with big_race_slot(64):\n"
+    "    print('in', flush=True); sys.stdin.readline()\n")
+
+
+def test_a_big_race_in_another_process_keeps_the_slot_until_it_ends():
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_SLOT], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "in"
+        with open(BIG_RACE_LOCK, "a") as lock, pytest.raises(BlockingIOError):
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a second big race would wait here
+        with big_race_slot(BIG_RACE):  # a small race never waits for the slot
+            pass
+    finally:
+        holder.communicate("go\n", timeout=30)
+    assert holder.returncode == 0
+    with big_race_slot(64), open(BIG_RACE_LOCK, "a") as lock, pytest.raises(BlockingIOError):
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours now: held until the block ends
