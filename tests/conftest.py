@@ -252,6 +252,21 @@ def _race(n: int, work: Callable[[int], Any]) -> list[Any]:
     return results
 
 
+def wait_until_another_connection_waits_for_a_lock(timeout: float = 10.0) -> None:
+    """From inside a transaction holding a lock: return once another connection to this database is
+    waiting on a lock (a row, an advisory key), so the interleaving a test means is the one that ran."""
+    deadline = time.monotonic() + timeout
+    with connection.cursor() as cursor:
+        while time.monotonic() < deadline:
+            cursor.execute("SELECT pg_stat_clear_snapshot()")  # else the transaction sees its first reading
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'")
+            if cursor.fetchone()[0]:
+                return
+            time.sleep(0.01)
+    raise AssertionError("no other connection came to wait for the lock")
+
+
 def make_customer(**fields) -> Customer:
     n = next(_seq)
     return Customer.objects.create(**{"name": f"Customer {n}", "email": f"c{n}@example.com", **fields})

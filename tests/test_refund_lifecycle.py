@@ -12,6 +12,7 @@ from django_fsm import TransitionNotAllowed
 from processors import sandbox
 from processors.base import RefundRequest
 from processors.models import SandboxRefund
+from processors.redis_client import redis_client, redis_key
 from processors.registry import get_processor
 from refundops.celery import app as celery_app
 from refundops.models import Refund, RefundState
@@ -104,7 +105,8 @@ def test_gateway_down_keeps_the_refund_approved_and_retries_until_it_settles(api
     payment = make_payment(amount=5_000)
     rf = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 700,
                                        "reason": "duplicate"}).json()["refund"]["id"]
-    time.sleep(1.5)  # several retries happen while the gateway is down
+    wait_for(lambda: int(redis_client().hget(redis_key("metrics:gateway:sandbox"), "unavailable:count") or 0) >= 2,
+             what="two tries while the gateway is down")  # as /metrics counts them
     assert status_of(rf) == S.APPROVED
     assert not SandboxRefund.objects.exists()
     detail = api.get(f"/api/v1/refunds/{rf}").json()["refund"]

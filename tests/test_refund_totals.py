@@ -19,7 +19,7 @@ from django.utils import timezone
 from refundops.models import COUNTING_STATES, Refund, RefundState, RefundTotalDelta
 from refundops.selectors import first_bucket_from, running_totals, start_of_day
 from refundops.services.totals import fold_totals
-from tests.conftest import make_agent_key, make_payment, race
+from tests.conftest import make_agent_key, make_payment, race, wait_until_another_connection_waits_for_a_lock
 
 BUCKETS = "SELECT currency, agent_id, SUM(amount_minor) FROM refundops_refundtotaldelta GROUP BY 1, 2 HAVING SUM(amount_minor) <> 0 ORDER BY 1, 2"
 SCANNED = """
@@ -826,8 +826,6 @@ def test_a_decision_behind_the_agents_lock_reads_the_refund_committed_while_it_w
     refund, a fold runs, the writer commits; the decision that waited for the locks reads, in its one
     statement, the refund in the agent's hour and day and in the currency's day (buckets and refunds
     alike), and then a refund committed after its statement only in its next one."""
-    import time
-
     from refundops.locks import lock_scopes
 
     key, _ = make_agent_key()
@@ -844,7 +842,7 @@ def test_a_decision_behind_the_agents_lock_reads_the_refund_committed_while_it_w
                 Refund.objects.create(payment=payment, amount_minor=500, currency="USD", reason="duplicate",
                                       agent=key.agent, status=RefundState.SUBMITTED)
                 locked.set()
-                time.sleep(0.3)
+                wait_until_another_connection_waits_for_a_lock()  # the decision waits on our locks
                 fold_totals()  # another connection's fold: it does not see the uncommitted rows
             return None
         locked.wait(10)
@@ -870,8 +868,6 @@ def test_two_updates_of_one_refund_waiting_on_its_row_each_take_back_what_the_ot
     """Third review: an update (counting state to counting state, a new amount) waits on the row
     another update holds (amount, agent); the trigger's OLD is the row the other committed, not the
     one the waiting statement first saw: the kept totals end at the refund's last amount, once."""
-    import time
-
     from django.db.models import F
 
     key, _ = make_agent_key()
@@ -885,7 +881,7 @@ def test_two_updates_of_one_refund_waiting_on_its_row_each_take_back_what_the_ot
             with transaction.atomic():
                 Refund.objects.filter(pk=refund.pk).update(amount_minor=200, agent=key.agent)
                 holding.set()
-                time.sleep(0.3)
+                wait_until_another_connection_waits_for_a_lock()  # the other update waits on our row
             return
         holding.wait(10)
         Refund.objects.filter(pk=refund.pk, status=RefundState.APPROVED).update(
