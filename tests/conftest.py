@@ -52,6 +52,30 @@ def pytest_configure(config):
     _flush_past_the_audit_triggers()
 
 
+# The slow proofs: a size, a whole stack in subprocesses, a browser or a fuzzer's budget. Every run of
+# scripts/test (and CI) runs them; `scripts/test --fast` (-m "not slow") leaves them out. Listed here
+# rather than marked in each file so that the list is one place to read and keep short.
+SLOW_MODULES = {
+    "test_admin_browser", "test_roles_browser", "test_scripts_run", "test_chaos", "test_drain",
+    "test_bench_locks", "test_bench_day_volume", "test_fuzz_http", "test_example_agent",
+}
+SLOW_TESTS = {
+    "test_csv_export.py::test_exporting_a_hundred_thousand_rows_streams_in_constant_memory",
+    "test_csv_export.py::test_under_the_asgi_server_the_export_streams_too",
+    "test_openapi.py::test_refund_operations_never_answer_a_server_error",
+    "test_mcp_http.py::test_manage_py_mcp_refuses_to_start_without_a_live_key",
+    "test_mcp_http.py::test_manage_py_mcp_serves_the_tools_of_its_key_over_stdio",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.path.stem
+        if (module in SLOW_MODULES or f"{item.path.name}::{item.originalname}" in SLOW_TESTS
+                or item.get_closest_marker("browser")):
+            item.add_marker(pytest.mark.slow)
+
+
 def _a_redis_prefix_per_worker() -> None:
     """Under pytest-xdist (scripts/test runs workers) each worker process has a test database of its
     own (pytest-django names it ``…_gw0``, ``…_gw1``) and here a Redis key prefix of its own, under

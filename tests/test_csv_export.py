@@ -185,50 +185,64 @@ def test_exporting_a_hundred_thousand_rows_streams_in_constant_memory():
     assert peak < 12 * 2**20, f"peak {peak / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB export"
 
 
+# Constant memory is proven at 100,000 rows once, above; here it is enough that the export goes out in
+# chunks while it is read and never whole: at most a third of its size is in memory at once.
+ASGI_ROWS = 40_000
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("handler", [ASGIHandler, lambda: DjangoHandler(threads=1)], ids=["django", "deployed"])
 def test_under_the_asgi_server_the_export_streams_too(handler, monkeypatch):
     """Under ASGI (gunicorn's UvicornWorker, as deployed) Django reads a synchronous iterator into
     one list before sending a byte; the export hands it an asynchronous one, which reads its cursor
     on the request's thread (refundops.asgi's handler: a thread it keeps, leased for the request)."""
-    insert_verdicts(100_000)
+    insert_verdicts(ASGI_ROWS)
     client = signed_in("auditor")
     cookie = f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
-    sent = {"status": None, "chunks": 0, "bytes": 0, "lines": 0, "headers": {}}
-
-    async def receive():
-        if sent["status"] is None and not sent.get("asked"):
-            sent["asked"] = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        await asyncio.Event().wait()  # the client never goes away
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            sent["status"] = message["status"]
-            sent["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
-        elif message.get("body"):
-            sent["chunks"] += 1
-            sent["bytes"] += len(message["body"])
-            sent["lines"] += message["body"].count(b"\n")
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-             "path": "/admin/audit/verdict/export.csv", "raw_path": b"/admin/audit/verdict/export.csv",
-             "query_string": b"", "root_path": "", "server": ("testserver", 80), "client": ("127.0.0.1", 5000),
-             "headers": [(b"host", b"testserver"), (b"cookie", cookie.encode())]}
     # As under the pool refundops.asgi has: the request's connection closed as it finishes, not kept
     # open by the handler's thread past the test.
     monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", 0)
-    tracemalloc.start()
-    try:
+    app = handler()
+
+    def export(query: bytes) -> dict:
+        sent = {"status": None, "chunks": 0, "bytes": 0, "lines": 0, "headers": {}}
+
+        async def receive():
+            if sent["status"] is None and not sent.get("asked"):
+                sent["asked"] = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await asyncio.Event().wait()  # the client never goes away
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                sent["status"] = message["status"]
+                sent["headers"] = {k.decode(): v.decode() for k, v in message["headers"]}
+            elif message.get("body"):
+                sent["chunks"] += 1
+                sent["bytes"] += len(message["body"])
+                sent["lines"] += message["body"].count(b"\n")
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+                 "scheme": "http", "path": "/admin/audit/verdict/export.csv",
+                 "raw_path": b"/admin/audit/verdict/export.csv", "query_string": query, "root_path": "",
+                 "server": ("testserver", 80), "client": ("127.0.0.1", 5000),
+                 "headers": [(b"host", b"testserver"), (b"cookie", cookie.encode())]}
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # "StreamingHttpResponse must consume synchronous iterators"
-            async_to_sync(handler())(scope, receive, send)
+            async_to_sync(app)(scope, receive, send)
+        return sent
+
+    # Once untraced, so what the first request of a process loads (templates, URL patterns) is not counted.
+    assert export(b"q=vd_39999")["lines"] == 2  # the header and one row
+    tracemalloc.start()
+    try:
+        sent = export(b"")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert sent["status"] == 200 and sent["headers"]["Content-Type"] == "text/csv; charset=utf-8"
-    assert sent["lines"] == 100_001 and sent["chunks"] > 50
-    assert peak < 12 * 2**20, f"peak {peak / 2**20:.1f} MiB for a {sent['bytes'] / 2**20:.1f} MiB export"
+    assert sent["lines"] == ASGI_ROWS + 1 and sent["chunks"] > 10
+    assert peak < sent["bytes"] / 3, f"peak {peak / 2**20:.1f} MiB for a {sent['bytes'] / 2**20:.1f} MiB export"
 
 
 def test_no_export_carries_a_secret_a_password_hash_a_totp_key_or_a_signing_secret():

@@ -1,13 +1,16 @@
-"""The suite's own plumbing: what keeps two test processes from starving PostgreSQL."""
+"""The suite's own plumbing: two test processes never starve PostgreSQL; the fast tier's list is true."""
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from tests.conftest import SLOW_MODULES, SLOW_TESTS
 from tests.slots import BIG_RACE, BIG_RACE_LOCK, big_race_slot
 
 HOLD_THE_SLOT = (
@@ -30,3 +33,13 @@ def test_a_big_race_in_another_process_keeps_the_slot_until_it_ends():
     assert holder.returncode == 0
     with big_race_slot(64), open(BIG_RACE_LOCK, "a") as lock, pytest.raises(BlockingIOError):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours now: held until the block ends
+
+
+def test_every_slow_proof_named_in_conftest_exists():
+    """A name left in the list after a rename would silently put its test back in the fast tier."""
+    here = Path(__file__).parent
+    assert all((here / f"{module}.py").exists() for module in SLOW_MODULES), SLOW_MODULES
+    for name in SLOW_TESTS:
+        file, function = name.split("::")
+        tree = ast.parse((here / file).read_text())
+        assert function in {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}, name
