@@ -187,11 +187,12 @@ MERCHANT = Control(
 def _apply_capabilities(proposal: Proposal, approver) -> str:
     held = set(Agent.objects.values_list("capabilities", flat=True).get(pk=proposal.subject_id))
     wanted = set(proposed_values(proposal)["capabilities"])
-    actor = f"user:{approver.get_username()} (proposal {proposal.pk} by {proposal.proposed_by.get_username()})"
+    # The approver acts (the history row's user); the audit entries name the proposal and its proposer.
+    by = {"actor": approver, "proposal": (proposal.pk, proposal.proposed_by.get_username())}
     for capability in sorted(wanted - held):
-        agents.grant_capability(agent_name_or_id=proposal.subject_id, capability=capability, actor=actor)
+        agents.grant_capability(agent_name_or_id=proposal.subject_id, capability=capability, **by)
     for capability in sorted(held - wanted):
-        agents.revoke_capability(agent_name_or_id=proposal.subject_id, capability=capability, actor=actor)
+        agents.revoke_capability(agent_name_or_id=proposal.subject_id, capability=capability, **by)
     return proposal.subject_id
 
 

@@ -124,7 +124,8 @@ def revoke_key(*, prefix: str, actor: Actor) -> AgentKey:
     return key
 
 
-def _set_capability(*, agent_name_or_id: str, capability: str, grant: bool, actor: Actor) -> Agent:
+def _set_capability(*, agent_name_or_id: str, capability: str, grant: bool, actor: Actor,
+                    proposal: tuple[str, str] | None = None) -> Agent:
     validate_capabilities([capability])
     agent = find_agent(agent_name_or_id, lock=True)  # the row lock keeps concurrent edits of the list
     held = set(agent.capabilities)
@@ -132,21 +133,29 @@ def _set_capability(*, agent_name_or_id: str, capability: str, grant: bool, acto
         return agent
     agent.capabilities = validate_capabilities(held | {capability} if grant else held - {capability})
     verb = "granted" if grant else "revoked"
-    history = _save_with_history(agent, actor=actor, reason=f"capability {capability} {verb}")
+    # ``proposal``: (id, proposer) when a second person approved this one; the audit entry names both.
+    by_proposal = {"proposal_id": proposal[0], "proposed_by": proposal[1]} if proposal else {}
+    history = _save_with_history(agent, actor=actor, reason=f"capability {capability} {verb}"
+                                 + (f" (proposal {proposal[0]})" if proposal else ""))
     record_audit(actor=actor_label(actor), action=f"capability.{verb}", subject_type="agent",
-                 subject_id=agent.pk, data={"capability": capability, "capabilities": agent.capabilities},
+                 subject_id=agent.pk, data={"capability": capability, "capabilities": agent.capabilities,
+                                            **by_proposal},
                  records=[history])
     return agent
 
 
 @transaction.atomic
-def revoke_capability(*, agent_name_or_id: str, capability: str, actor: Actor) -> Agent:
-    return _set_capability(agent_name_or_id=agent_name_or_id, capability=capability, grant=False, actor=actor)
+def revoke_capability(*, agent_name_or_id: str, capability: str, actor: Actor,
+                      proposal: tuple[str, str] | None = None) -> Agent:
+    return _set_capability(agent_name_or_id=agent_name_or_id, capability=capability, grant=False, actor=actor,
+                           proposal=proposal)
 
 
 @transaction.atomic
-def grant_capability(*, agent_name_or_id: str, capability: str, actor: Actor) -> Agent:
-    return _set_capability(agent_name_or_id=agent_name_or_id, capability=capability, grant=True, actor=actor)
+def grant_capability(*, agent_name_or_id: str, capability: str, actor: Actor,
+                     proposal: tuple[str, str] | None = None) -> Agent:
+    return _set_capability(agent_name_or_id=agent_name_or_id, capability=capability, grant=True, actor=actor,
+                           proposal=proposal)
 
 
 @transaction.atomic
