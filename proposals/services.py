@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from approvals.models import ApprovalAuthority
@@ -145,13 +145,31 @@ def _row_values(model, fields):
     return lambda pk: _values(row, fields) if pk and (row := model.objects.filter(pk=pk).first()) else {}
 
 
+def _refuse_taken_names(row) -> None:
+    """Two proposals may each create (or rename to) the same unique name; the second to be approved
+    is refused with what is taken, and changes nothing."""
+    try:
+        row.validate_unique()
+    except ValidationError as taken:
+        raise ProposalError("PROPOSAL_INVALID", "; ".join(
+            f"{field} {getattr(row, field, '')!r}: {' '.join(errors)}" for field, errors in taken.message_dict.items())
+            + " Reject this proposal, or propose another.") from None
+
+
 def _apply_row(model, **stamp: Callable[[Proposal, Any], Any]):
     def apply(proposal: Proposal, approver) -> str:
         row = model.objects.select_for_update().get(pk=proposal.subject_id) if proposal.subject_id else model()
         for name, value in {**proposed_values(proposal), **{k: f(proposal, approver) for k, f in stamp.items()}}.items():
             setattr(row, name, value)
         row._history_user, row._change_reason = approver, f"proposal {proposal.pk} ({_by(proposal, approver)})"
-        row.save()
+        _refuse_taken_names(row)
+        try:
+            with transaction.atomic():  # a name taken by a commit racing this one: the constraint says so
+                row.save()
+        except IntegrityError:
+            raise ProposalError("PROPOSAL_INVALID", f"Another {model._meta.verbose_name} took one of these "
+                                                    f"values meanwhile: {proposed_values(proposal)}. Reject this "
+                                                    f"proposal, or propose again.") from None
         return str(row.pk)
     return apply
 

@@ -70,3 +70,73 @@ def test_a_history_reason_longer_than_its_column_is_cut_to_fit_and_the_audit_ent
     assert len(reason) == 100 and reason.startswith("capability refunds.create granted by cli:") \
         and reason.endswith("…")
     assert AuditEntry.objects.get(action="capability.granted").actor == actor
+
+
+def test_approving_the_second_of_two_proposals_creating_the_same_name_is_refused_and_changes_nothing():
+    _, maker = staff("approver", "finance approver")
+    _, checker = staff("approver2", "finance approver")
+    for message in ("Pay $amount: $url", "Please pay $amount at $url"):
+        response = maker.post("/admin/refundops/paymentlinktemplate/add/",
+                              {"name": "pay up", "message": message, "active": "on"})
+        assert response.status_code == 302
+    first, second = Proposal.objects.filter(kind=Proposal.Kind.LINK_TEMPLATE).order_by("proposed_at")
+    checker.post(f"/admin/proposals/proposal/{quote(first.pk)}/approve/")
+    before = AuditEntry.objects.count()
+
+    response = checker.post(f"/admin/proposals/proposal/{quote(second.pk)}/approve/", follow=True)
+    assert response.status_code == 200
+    said = messages_of(response)
+    assert "PROPOSAL_INVALID" in said and "pay up" in said and "already" in said
+    assert list(PaymentLinkTemplate.objects.values_list("message", flat=True)) == ["Pay $amount: $url"]
+    second.refresh_from_db()
+    assert second.status == Proposal.Status.PENDING and AuditEntry.objects.count() == before
+
+
+def test_renaming_a_merchant_to_a_name_taken_since_is_refused_and_changes_nothing():
+    from proposals.services import ProposalError, approve_proposal, propose_change
+
+    finance, _ = staff("approver", "finance approver")
+    finance2, _ = staff("approver2", "finance approver")
+    shop = Merchant.objects.create(name="Shop two")
+    proposal = propose_change(kind=Proposal.Kind.MERCHANT, subject_id=shop.pk, changes={"name": "Shop three"},
+                              proposer=finance)
+    Merchant.objects.create(name="Shop three")
+    with pytest.raises(ProposalError) as refused:
+        approve_proposal(proposal_id=proposal.pk, approver=finance2)
+    assert refused.value.code == "PROPOSAL_INVALID" and "Shop three" in refused.value.message
+    assert Merchant.objects.get(pk=shop.pk).name == "Shop two"
+
+
+@pytest.mark.parametrize("verb", ["approve", "reject"])
+def test_deciding_a_refund_that_does_not_exist_says_so(verb):
+    from approvals.services import ApprovalError, approve_refund, reject_refund
+
+    approver, client = staff("approver", "finance approver", USD=100_000)
+    response = client.post(f"/admin/refundops/refund/rf_nothing/{verb}/", follow=True)
+    assert response.status_code == 200
+    assert "No refund 'rf_nothing'" in messages_of(response)
+
+    decide = approve_refund if verb == "approve" else reject_refund
+    with pytest.raises(ApprovalError) as refused:
+        decide(refund_id="rf_nothing", approver=approver)
+    assert (refused.value.code, refused.value.status) == ("REFUND_NOT_FOUND", 404)
+    assert not Refund.objects.exists()
+
+
+def test_a_long_note_on_a_refund_decision_is_kept_whole_in_the_audit_entry():
+    from tests.conftest import make_limits, make_payment
+    from refundops.callers import Caller
+    from refundops.services.refunds import request_refund
+
+    make_limits(approval_threshold_minor=1_000)
+    approver, client = staff("approver", "finance approver", USD=100_000)
+    payment = make_payment(amount=50_000)
+    asker = User.objects.create_user("asker", is_staff=True)
+    request_refund(caller=Caller.for_user(asker), idempotency_key="k1",
+                   data={"transaction_id": payment.pk, "amount": 5_000, "reason": "customer_request"})
+    refund = Refund.objects.get(payment=payment)
+    note = "Customer called twice; the parcel came back damaged and the courier confirmed it. " * 3
+    response = client.post(f"/admin/refundops/refund/{quote(refund.pk)}/approve/", {"note": note}, follow=True)
+    assert response.status_code == 200 and "Approved 1" in messages_of(response)
+    assert AuditEntry.objects.get(action="refund.approved").data["note"] == note.strip()
+    assert len(refund.history.latest().history_change_reason) == 100
