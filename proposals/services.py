@@ -208,16 +208,16 @@ def _apply_capabilities(proposal: Proposal, approver) -> str:
     # The approver acts (the history row's user); the audit entries name the proposal and its proposer.
     by = {"actor": approver, "proposal": (proposal.pk, proposal.proposed_by.get_username())}
     for capability in sorted(wanted - held):
-        agents.grant_capability(agent_name_or_id=proposal.subject_id, capability=capability, **by)
+        agents.grant_capability(agent_id=proposal.subject_id, capability=capability, **by)
     for capability in sorted(held - wanted):
-        agents.revoke_capability(agent_name_or_id=proposal.subject_id, capability=capability, **by)
+        agents.revoke_capability(agent_id=proposal.subject_id, capability=capability, **by)
     return proposal.subject_id
 
 
 def _validate_capabilities(agent_id: str, values: dict[str, Any]) -> None:
     try:
         agents.validate_capabilities(values.get("capabilities", []))
-        agents.find_agent(agent_id)
+        agents.get_agent(agent_id)
     except agents.AgentAccessError as refused:
         raise ProposalError("PROPOSAL_INVALID", str(refused)) from None
 
