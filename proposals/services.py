@@ -167,9 +167,9 @@ def _apply_row(model, **stamp: Callable[[Proposal, Any], Any]):
             with transaction.atomic():  # a name taken by a commit racing this one: the constraint says so
                 row.save()
         except IntegrityError:
-            raise ProposalError("PROPOSAL_INVALID", f"Another {model._meta.verbose_name} took one of these "
-                                                    f"values meanwhile: {proposed_values(proposal)}. Reject this "
-                                                    f"proposal, or propose again.") from None
+            raise ProposalError("PROPOSAL_INVALID", f"Another {model._meta.verbose_name} took a name this proposal "
+                                                    f"sets while it was being approved. Reject this proposal, or "
+                                                    f"propose another name.") from None
         return str(row.pk)
     return apply
 
