@@ -41,7 +41,11 @@ def ensure_approval_authority(*, approver, refund: Refund) -> None:
 
 
 def _locked(refund_id: str) -> Refund:
-    lock_payment(Refund.objects.values_list("payment_id", flat=True).get(pk=refund_id))
+    payment_id = Refund.objects.filter(pk=refund_id).values_list("payment_id", flat=True).first()
+    if payment_id is None:
+        raise ApprovalError("REFUND_NOT_FOUND", f"No refund {refund_id!r}. Check the refund id (it starts "
+                                                f"with 'rf_').")
+    lock_payment(payment_id)
     return lock_refund(refund_id)
 
 

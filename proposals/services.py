@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from approvals.models import ApprovalAuthority
@@ -60,6 +60,13 @@ def _full_clean(model, values: dict[str, Any], exclude: tuple[str, ...] = ()) ->
             f"{field}: {' '.join(errors)}" for field, errors in invalid.message_dict.items())) from None
 
 
+def proposed_values(proposal: Proposal) -> dict[str, Any]:
+    """What the proposal changes: the "after" of each field in its diff, nothing else. A proposal
+    stored before this rule may carry every field of the control in ``changes``; its diff still
+    names only what its proposer changed, so it is read the same way."""
+    return {field: after for field, (_, after) in proposal.diff.items()}
+
+
 def _by(proposal: Proposal, approver) -> str:
     return f"{proposal.proposed_by.get_username()}, approved by {approver.get_username()}"[:150]
 
@@ -80,7 +87,7 @@ def _apply_version(model, fields, series: dict[str, Any]):
         if model is RefundLimits:  # waits for the refund decisions in flight on the limits they read
             lock_currency(series(proposal)["currency"])
         latest = model.objects.select_for_update().filter(**series(proposal)).order_by("-version").first()
-        values = {**(_values(latest, fields) if latest else {}), **proposal.changes}
+        values = {**(_values(latest, fields) if latest else {}), **proposed_values(proposal)}
         row = model.objects.create(**series(proposal), **values, version=(latest.version if latest else 0) + 1,
                                    created_by=_by(proposal, approver))
         return str(row.pk)
@@ -112,7 +119,7 @@ def _authority(subject_id: str) -> ApprovalAuthority | None:
 def _apply_authority(proposal: Proposal, approver) -> str:
     user_id, _, currency = proposal.subject_id.partition(":")
     authority, _ = ApprovalAuthority.objects.update_or_create(user_id=user_id, currency=currency,
-                                                              defaults=proposal.changes)
+                                                              defaults=proposed_values(proposal))
     return str(authority.pk)
 
 
@@ -138,13 +145,31 @@ def _row_values(model, fields):
     return lambda pk: _values(row, fields) if pk and (row := model.objects.filter(pk=pk).first()) else {}
 
 
+def _refuse_taken_names(row) -> None:
+    """Two proposals may each create (or rename to) the same unique name; the second to be approved
+    is refused with what is taken, and changes nothing."""
+    try:
+        row.validate_unique()
+    except ValidationError as taken:
+        raise ProposalError("PROPOSAL_INVALID", "; ".join(
+            f"{field} {getattr(row, field, '')!r}: {' '.join(errors)}" for field, errors in taken.message_dict.items())
+            + " Reject this proposal, or propose another.") from None
+
+
 def _apply_row(model, **stamp: Callable[[Proposal, Any], Any]):
     def apply(proposal: Proposal, approver) -> str:
         row = model.objects.select_for_update().get(pk=proposal.subject_id) if proposal.subject_id else model()
-        for name, value in {**proposal.changes, **{k: f(proposal, approver) for k, f in stamp.items()}}.items():
+        for name, value in {**proposed_values(proposal), **{k: f(proposal, approver) for k, f in stamp.items()}}.items():
             setattr(row, name, value)
         row._history_user, row._change_reason = approver, f"proposal {proposal.pk} ({_by(proposal, approver)})"
-        row.save()
+        _refuse_taken_names(row)
+        try:
+            with transaction.atomic():  # a name taken by a commit racing this one: the constraint says so
+                row.save()
+        except IntegrityError:
+            raise ProposalError("PROPOSAL_INVALID", f"Another {model._meta.verbose_name} took a name this proposal "
+                                                    f"sets while it was being approved. Reject this proposal, or "
+                                                    f"propose another name.") from None
         return str(row.pk)
     return apply
 
@@ -179,19 +204,20 @@ MERCHANT = Control(
 
 def _apply_capabilities(proposal: Proposal, approver) -> str:
     held = set(Agent.objects.values_list("capabilities", flat=True).get(pk=proposal.subject_id))
-    wanted = set(proposal.changes["capabilities"])
-    actor = f"user:{approver.get_username()} (proposal {proposal.pk} by {proposal.proposed_by.get_username()})"
+    wanted = set(proposed_values(proposal)["capabilities"])
+    # The approver acts (the history row's user); the audit entries name the proposal and its proposer.
+    by = {"actor": approver, "proposal": (proposal.pk, proposal.proposed_by.get_username())}
     for capability in sorted(wanted - held):
-        agents.grant_capability(agent_name_or_id=proposal.subject_id, capability=capability, actor=actor)
+        agents.grant_capability(agent_id=proposal.subject_id, capability=capability, **by)
     for capability in sorted(held - wanted):
-        agents.revoke_capability(agent_name_or_id=proposal.subject_id, capability=capability, actor=actor)
+        agents.revoke_capability(agent_id=proposal.subject_id, capability=capability, **by)
     return proposal.subject_id
 
 
 def _validate_capabilities(agent_id: str, values: dict[str, Any]) -> None:
     try:
         agents.validate_capabilities(values.get("capabilities", []))
-        agents.find_agent(agent_id)
+        agents.get_agent(agent_id)
     except agents.AgentAccessError as refused:
         raise ProposalError("PROPOSAL_INVALID", str(refused)) from None
 
@@ -227,11 +253,14 @@ def propose_change(*, kind: str, subject_id: str = "", changes: dict[str, Any], 
     if unknown:
         raise ProposalError("PROPOSAL_INVALID", f"Not part of this control: {', '.join(sorted(unknown))}.")
     before = control.current(subject_id)
-    changes = {k: _json(v) for k, v in changes.items()}
-    diff = {k: [_json(before.get(k)), v] for k, v in changes.items() if _json(before.get(k)) != v}
+    asked = {k: _json(v) for k, v in changes.items()}
+    # Only what differs from the control now: a form posts every field, and carrying the others
+    # would write them back over a change approved in between (issue 28).
+    diff = {k: [_json(before.get(k)), v] for k, v in asked.items() if _json(before.get(k)) != v}
     if not diff:
         raise ProposalError("NOTHING_TO_CHANGE", "That is how it is already.")
-    control.validate(subject_id, {**before, **changes})
+    changes = {k: after for k, (_, after) in diff.items()}
+    control.validate(subject_id, {**before, **asked})
     proposal = Proposal.objects.create(kind=kind, subject_id=subject_id, changes=changes, diff=diff, note=note[:500],
                                        summary=control.summary(subject_id, {**before, **changes})[:200],
                                        proposed_by=proposer)
@@ -266,22 +295,35 @@ def _decided(proposal: Proposal, *, person, status: str, note: str) -> dict[str,
             "decided_by": person.get_username(), "decided_at": proposal.decided_at.isoformat()}
 
 
-@transaction.atomic
 def approve_proposal(*, proposal_id: str, approver, note: str = "") -> Proposal:
-    proposal, control = _decidable(proposal_id, approver, "approve")
-    conflict = control.conflict(proposal, approver)
-    if conflict:
-        raise ProposalError("PROPOSAL_OWN", f"{approver.get_username()} may not approve this: {conflict}.")
-    now = control.current(proposal.subject_id)
-    moved = [k for k, (before, _) in proposal.diff.items() if _json(now.get(k)) != before]
-    if moved:
-        raise ProposalError("PROPOSAL_STALE", f"{', '.join(moved)} changed since this was proposed; "
-                                              f"reject it and propose again from what is there now.")
-    proposal.result_id = control.apply(proposal, approver)
-    data = _decided(proposal, person=approver, status=Proposal.Status.APPROVED, note=note)
-    record_audit(actor=f"user:{approver.get_username()}", action="proposal.approved", subject_type="proposal",
-                 subject_id=proposal.pk, data={**data, "result_id": proposal.result_id})
-    return proposal
+    """Put a pending proposal in effect: only the fields in its diff, and only while each still has
+    the value its proposer saw. One whose fields moved since is refused as stale (PROPOSAL_STALE):
+    nothing is applied, it stays pending for a person to reject, and the refusal is audited."""
+    with transaction.atomic():
+        proposal, control = _decidable(proposal_id, approver, "approve")
+        conflict = control.conflict(proposal, approver)
+        if conflict:
+            raise ProposalError("PROPOSAL_OWN", f"{approver.get_username()} may not approve this: {conflict}.")
+        now = control.current(proposal.subject_id)
+        moved = {k: [before, _json(now.get(k))] for k, (before, _) in proposal.diff.items()
+                 if _json(now.get(k)) != before}
+        if not moved:
+            proposal.result_id = control.apply(proposal, approver)
+            data = _decided(proposal, person=approver, status=Proposal.Status.APPROVED, note=note)
+            record_audit(actor=f"user:{approver.get_username()}", action="proposal.approved",
+                         subject_type="proposal", subject_id=proposal.pk,
+                         data={**data, "result_id": proposal.result_id})
+            return proposal
+    # Recorded after the proposal's row lock is let go, in a transaction of its own (the caller's
+    # when there is one), so the refusal stays on record though nothing was applied.
+    with transaction.atomic():
+        record_audit(actor=f"user:{approver.get_username()}", action="proposal.refused_stale",
+                     subject_type="proposal", subject_id=proposal.pk,
+                     data={"kind": proposal.kind, "subject_id": proposal.subject_id, "summary": proposal.summary,
+                           "diff": proposal.diff, "moved": moved, "proposed_by": proposal.proposed_by.get_username(),
+                           "refused_by": approver.get_username()})
+    raise ProposalError("PROPOSAL_STALE", f"{', '.join(moved)} changed since this was proposed; "
+                                          f"reject it and propose again from what is there now.")
 
 
 @transaction.atomic

@@ -57,9 +57,11 @@ class Totals:
     agent_day_minor: int
     session_minor: int
     global_day_minor: int
-    # What agents (any agent, not people) refunded: on this payment ever, and to this customer within
-    # the limits' cumulative window. The approval threshold applies to these plus the new amount.
-    # Defaults: verdicts recorded before these were counted replay as zero.
+    # What the asker's kind refunded (agents, for an agent; people in the admin, for a person): on this
+    # payment ever, and to this customer within the limits' cumulative window. The approval threshold,
+    # and a person's own authority, apply to these plus the new amount. The names are from when only
+    # agents were counted (issue 28 added people): recorded verdicts carry them. Defaults: verdicts
+    # recorded before these were counted replay as zero.
     agents_payment_minor: int = 0
     agents_customer_window_minor: int = 0
 
@@ -227,6 +229,15 @@ def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits |
         if fires:
             fired.append(code)
 
+    # Splitting one refund into several does not beat a bound, agent or person (issue 28): what the
+    # asker's kind refunded on the payment, or to the customer within the window, plus this amount.
+    # A person's refunds do not use up what agents may move alone, nor agents' a person's.
+    window_hours = limits.cumulative_window_hours if limits else 24
+    before, scope = max((totals.agents_payment_minor, "on this payment"),
+                        (totals.agents_customer_window_minor, f"to this customer in the last {window_hours} h"))
+    kind = "agents" if by_agent else "people"
+    so_far = {"amount": amount, f"{kind}_on_payment": totals.agents_payment_minor,
+              f"{kind}_on_customer": totals.agents_customer_window_minor, "window_hours": window_hours}
     if limits is None:
         rule("approval_threshold", "APPROVAL_REQUIRED", True,
              message=f"No refund limits are set for {payment.currency}: a person decides.")
@@ -234,23 +245,18 @@ def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits |
         threshold = int(limits.reason_thresholds.get(reason, limits.approval_threshold_minor))
         rule("approval_threshold", "APPROVAL_REQUIRED", amount > threshold, limit=threshold, observed=amount,
              message=f"{money(amount)} is above the {money(threshold)} an agent may refund alone.")
-        if by_agent:  # splitting one refund into several does not beat the threshold
-            before, scope = max((totals.agents_payment_minor, "on this payment"),
-                                (totals.agents_customer_window_minor,
-                                 f"to this customer in the last {limits.cumulative_window_hours} h"))
-            rule("approval_threshold_cumulative", "APPROVAL_REQUIRED_CUMULATIVE",
-                 before > 0 and before + amount > threshold, limit=threshold, observed=before + amount,
-                 inputs={"amount": amount, "agents_on_payment": totals.agents_payment_minor,
-                         "agents_on_customer": totals.agents_customer_window_minor,
-                         "window_hours": limits.cumulative_window_hours},
-                 message=f"{money(before)} already refunded by agents {scope}, plus {money(amount)}, is "
-                         f"{money(before + amount)}: above the {money(threshold)} agents may refund without "
-                         f"a person.")
+        rule("approval_threshold_cumulative", "APPROVAL_REQUIRED_CUMULATIVE",
+             before > 0 and before + amount > threshold, limit=threshold, observed=before + amount, inputs=so_far,
+             message=f"{money(before)} already refunded by {kind} {scope}, plus {money(amount)}, is "
+                     f"{money(before + amount)}: above the {money(threshold)} {kind} may refund without "
+                     f"a second person.")
     if requester_authority is not None:
-        rule("requester_authority", "ABOVE_REQUESTER_AUTHORITY", amount > requester_authority,
-             limit=requester_authority, observed=amount,
-             message=f"{money(amount)} is above the {money(requester_authority)} the requester may approve: "
-                     f"someone else decides.")
+        rule("requester_authority", "ABOVE_REQUESTER_AUTHORITY", before + amount > requester_authority,
+             limit=requester_authority, observed=before + amount, inputs=so_far,
+             message=(f"{money(amount)}" + (f", with the {money(before)} already refunded by people {scope},"
+                                            if before else "")
+                      + f" is above the {money(requester_authority)} the requester may approve: someone else "
+                        f"decides."))
     rules = rules or HoldRules()  # no rules saved: every hold on (the model's defaults), never none
     if rules.hold_disputed:
         rule("payment_disputed", "PAYMENT_DISPUTED", payment.is_disputed,

@@ -124,11 +124,13 @@ def held_by_rule(*, since: datetime) -> dict[str, dict[str, int]]:
 
 
 def decisions_by_person(*, since: datetime) -> dict[str, dict[str, int]]:
-    """How many held refunds each person approved or rejected, from the audit log. Agents' refunds
-    approved by the policy are logged as refund.approved too, under the agent: not a person."""
+    """How many held refunds each person approved or rejected, from the audit log. A refund the policy
+    approved at the request is logged as refund.approved too, under whoever asked (an agent, or a
+    person refunding in the admin), naming its verdict: nobody decided it, so it is left out."""
     result: dict[str, dict[str, int]] = defaultdict(lambda: {"approved": 0, "rejected": 0})
     rows = (AuditEntry.objects.filter(created_at__gte=since, action__in=["refund.approved", "refund.rejected"],
                                       actor__startswith="user:")
+            .exclude(data__has_key="verdict_id")
             .values("actor", "action").annotate(n=Count("id")).order_by())
     for row in rows:
         person = row["actor"].removeprefix("user:")

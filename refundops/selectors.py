@@ -141,14 +141,14 @@ SELECT
   COALESCE((SELECT refunds_paused OR agents_disabled FROM {platform} WHERE id = 1), false),
   COALESCE((SELECT MAX(version) FROM {limits} WHERE currency = %(currency)s), 0)
 FROM
-  (SELECT COUNT(*) AS count, COALESCE(SUM(amount_minor) FILTER (WHERE origin = {agent_origin}), 0) AS agents_sum
+  (SELECT COUNT(*) AS count, COALESCE(SUM(amount_minor) FILTER (WHERE origin = %(cumulative_origin)s), 0) AS agents_sum
      FROM {refund} WHERE payment_id = %(payment)s AND status = ANY({states}) AND id <> %(exclude)s) pr,
   (SELECT COUNT(*) FILTER (WHERE r.counted_at >= %(day)s) AS day_count,
           COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(day)s), 0) AS day_sum,
           COUNT(*) FILTER (WHERE r.counted_at >= %(month)s) AS month_count,
           COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(month)s), 0) AS month_sum,
           COUNT(*) FILTER (WHERE r.counted_at >= %(velocity)s) AS velocity,
-          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(cumulative)s AND r.origin = {agent_origin}), 0)
+          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(cumulative)s AND r.origin = %(cumulative_origin)s), 0)
             AS agents_window_sum
      FROM {payment} p CROSS JOIN LATERAL (
           SELECT amount_minor, counted_at, origin FROM {refund}
@@ -177,7 +177,7 @@ FROM
 """.format(refund=Refund._meta.db_table, payment=Payment._meta.db_table,
            platform=PlatformState._meta.db_table, limits=RefundLimits._meta.db_table,
            deltas=RefundTotalDelta._meta.db_table,
-           states=_sql_literal(COUNTING_STATES), agent_origin=_sql_literal(Refund.Origin.AGENT)))
+           states=_sql_literal(COUNTING_STATES)))
 
 
 def running_totals(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
@@ -204,7 +204,9 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
               "day": day, "day_bucket": first_bucket_from(day), "hour": hour, "hour_bucket": first_bucket_from(hour),
               "month": now - timedelta(days=30),
               "velocity": now - timedelta(hours=velocity_hours),
-              "cumulative": now - timedelta(hours=cumulative_hours), "agent_origin": str(Refund.Origin.AGENT)}
+              "cumulative": now - timedelta(hours=cumulative_hours),
+              # The cumulative threshold adds up refunds of the asker's kind: agents', or people's.
+              "cumulative_origin": str(Refund.Origin.AGENT if agent_id else Refund.Origin.STAFF)}
     wrapper = db()
     if wrapper.vendor != "postgresql":
         latest = active_limits(payment.currency)
@@ -212,9 +214,9 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
         return (_running_totals_orm(params), state.refunds_paused or state.agents_disabled,
                 latest.version if latest else 0)
     with wrapper.cursor() as cursor:
-        # The states and the agents' origin are in the statement (fixed by the code), not adapted
-        # again on every request (the states' array element by element).
-        cursor.execute(_TOTALS_SQL, {k: v for k, v in params.items() if k not in ("states", "agent_origin")})
+        # The states are in the statement (fixed by the code), not adapted again on every request
+        # (the array element by element).
+        cursor.execute(_TOTALS_SQL, {k: v for k, v in params.items() if k != "states"})
         *totals, paused, limits_version = cursor.fetchone()
     return Totals(*(int(v) for v in totals)), bool(paused), int(limits_version)
 
@@ -227,7 +229,8 @@ def _running_totals_orm(p: dict) -> Totals:
     def total(q: Q) -> Sum:
         return Sum("amount_minor", filter=q, default=0)
 
-    by_agents = Q(origin=Refund.Origin.AGENT)
+    # The asker's kind, as cumulative_origin in the statement (Totals.agents_payment_minor).
+    by_agents = Q(origin=Refund.Origin.AGENT if p["agent"] else Refund.Origin.STAFF)
     customer = counting.filter(payment__customer_id=p["customer"],
                                counted_at__gte=min(p["month"], p["velocity"], p["cumulative"])).aggregate(
         day_count=Count("id", filter=Q(counted_at__gte=p["day"])), day_sum=total(Q(counted_at__gte=p["day"])),

@@ -166,8 +166,11 @@ def reference_totals(paid: list[Paid], *, payment: int, customer: int, ask: Ask,
         agent_day_minor=sum(p.amount for p in by_agent if p.at >= day),
         session_minor=sum(p.amount for p in by_agent if ask.session and p.session == ask.session),
         global_day_minor=sum(p.amount for p in paid if p.at >= day),
-        agents_payment_minor=sum(p.amount for p in paid if p.payment == payment and p.agent is not None),
-        agents_customer_window_minor=sum(p.amount for p in mine if p.agent is not None and p.at >= cumulative))
+        # The asker's kind: agents' refunds for an agent, people's for a person (issue 28).
+        agents_payment_minor=sum(p.amount for p in paid if p.payment == payment
+                                 and (p.agent is None) == (ask.agent is None)),
+        agents_customer_window_minor=sum(p.amount for p in mine if (p.agent is None) == (ask.agent is None)
+                                         and p.at >= cumulative))
 
 
 def assert_within_bounds(paid: list[Paid], payments: list[tuple[int, int]], limits: dict[str, int]) -> None:
@@ -185,7 +188,13 @@ def assert_within_bounds(paid: list[Paid], payments: list[tuple[int, int]], limi
         assert sum(q.amount for q in mine if q.at >= month) <= limits["customer_30d_amount_minor"]
         assert sum(1 for q in mine if q.at >= month) <= limits["customer_30d_count"]
         assert sum(q.amount for q in upto if q.at >= day) <= limits["global_daily_amount_minor"]
-        if p.agent is None:  # staff refunds answer to every bound but the agents' own
+        if p.agent is None:  # staff refunds answer to every bound but the agents' own ...
+            if not p.held:  # ... and what people moved without a second person stays within the threshold
+                window = p.at - timedelta(hours=limits["cumulative_window_hours"])
+                people = [q for q in upto if q.agent is None]
+                assert sum(q.amount for q in people if q.payment == p.payment) <= limits["approval_threshold_minor"]
+                assert sum(q.amount for q in people if q.customer == p.customer and q.at >= window) <= \
+                    limits["approval_threshold_minor"]
             continue
         by_agent = [q for q in upto if q.agent == p.agent]
         assert sum(q.amount for q in by_agent if q.at >= p.at - timedelta(hours=1)) <= limits["agent_hourly_amount_minor"]

@@ -68,7 +68,7 @@ class AgentAdmin(ProposeChangeMixin, HistoryAdmin):
         held = set(Agent.objects.values_list("capabilities", flat=True).get(pk=obj.pk))
         wanted = set(form.cleaned_data["capabilities"])
         for capability in sorted(held - wanted):
-            agents.revoke_capability(agent_name_or_id=obj.pk, capability=capability, actor=request.user)
+            agents.revoke_capability(agent_id=obj.pk, capability=capability, actor=request.user)
         if wanted - held:
             super().save_model(request, obj, form, change)
 

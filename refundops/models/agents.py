@@ -35,6 +35,13 @@ class Agent(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     history = HistoricalRecords()
 
+    class Meta:
+        constraints = [
+            # Ids start "ag_" (new_agent_id); a name that did could be taken for another agent's id.
+            models.CheckConstraint(condition=~models.Q(name__istartswith="ag_"), name="agent_name_not_an_id",
+                                   violation_error_message="An agent name cannot start with 'ag_': agent ids do."),
+        ]
+
     def __str__(self) -> str:
         return self.name
 

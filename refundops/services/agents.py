@@ -58,11 +58,33 @@ def validate_capabilities(capabilities: Iterable[str]) -> list[str]:
     return [c for c in Capability.values if c in wanted]
 
 
-def find_agent(agent_name_or_id: str, *, lock: bool = False) -> Agent:
+# Every agent id starts so (models.agents.new_agent_id); no name may, so a value is one or the other.
+AGENT_ID_PREFIX = "ag_"
+
+
+def is_agent_id(value: str) -> bool:
+    return value.strip().lower().startswith(AGENT_ID_PREFIX)
+
+
+def get_agent(agent_id: str, *, lock: bool = False) -> Agent:
+    """The agent with this id, never one whose name it is: where an id is meant (the admin's pages,
+    proposals), a name shaped like another agent's id must not be taken for it."""
     agents = Agent.objects.select_for_update() if lock else Agent.objects
-    agent = agents.filter(Q(pk=agent_name_or_id) | Q(name=agent_name_or_id)).first()
+    agent = agents.filter(pk=agent_id).first()
     if agent is None:
-        raise AgentAccessError(f"No agent named {agent_name_or_id!r} (or with that id).")
+        raise AgentAccessError(f"No agent with id {agent_id!r}.")
+    return agent
+
+
+def find_agent(agent_name_or_id: str, *, lock: bool = False) -> Agent:
+    """For the command line, where a person types either: a value starting with 'ag_' is an id, any
+    other a name."""
+    if is_agent_id(agent_name_or_id):
+        return get_agent(agent_name_or_id.strip(), lock=lock)
+    agents = Agent.objects.select_for_update() if lock else Agent.objects
+    agent = agents.filter(name=agent_name_or_id).first()
+    if agent is None:
+        raise AgentAccessError(f"No agent named {agent_name_or_id!r} (ids start with {AGENT_ID_PREFIX!r}).")
     return agent
 
 
@@ -73,6 +95,9 @@ def create_agent(*, name: str, owner: str = "", capabilities: Iterable[str], act
     name = name.strip()
     if not name or len(name) > 100:
         raise AgentAccessError("An agent name is 1 to 100 characters.")
+    if is_agent_id(name):
+        raise AgentAccessError(f"An agent name cannot start with {AGENT_ID_PREFIX!r}: agent ids do, and a name "
+                               f"shaped like an id could be taken for another agent. Choose another name.")
     granted = validate_capabilities(capabilities)
     if not granted:
         raise AgentAccessError(f"Grant at least one capability: {', '.join(Capability.values)}.")
@@ -124,29 +149,39 @@ def revoke_key(*, prefix: str, actor: Actor) -> AgentKey:
     return key
 
 
-def _set_capability(*, agent_name_or_id: str, capability: str, grant: bool, actor: Actor) -> Agent:
+def _set_capability(*, agent_id: str, agent_name_or_id: str, capability: str, grant: bool, actor: Actor,
+                    proposal: tuple[str, str] | None = None) -> Agent:
     validate_capabilities([capability])
-    agent = find_agent(agent_name_or_id, lock=True)  # the row lock keeps concurrent edits of the list
+    # The row lock keeps concurrent edits of the list apart. ``agent_id`` where an id is meant.
+    agent = get_agent(agent_id, lock=True) if agent_id else find_agent(agent_name_or_id, lock=True)
     held = set(agent.capabilities)
     if (capability in held) == grant:
         return agent
     agent.capabilities = validate_capabilities(held | {capability} if grant else held - {capability})
     verb = "granted" if grant else "revoked"
-    history = _save_with_history(agent, actor=actor, reason=f"capability {capability} {verb}")
+    # ``proposal``: (id, proposer) when a second person approved this one; the audit entry names both.
+    by_proposal = {"proposal_id": proposal[0], "proposed_by": proposal[1]} if proposal else {}
+    history = _save_with_history(agent, actor=actor, reason=f"capability {capability} {verb}"
+                                 + (f" (proposal {proposal[0]})" if proposal else ""))
     record_audit(actor=actor_label(actor), action=f"capability.{verb}", subject_type="agent",
-                 subject_id=agent.pk, data={"capability": capability, "capabilities": agent.capabilities},
+                 subject_id=agent.pk, data={"capability": capability, "capabilities": agent.capabilities,
+                                            **by_proposal},
                  records=[history])
     return agent
 
 
 @transaction.atomic
-def revoke_capability(*, agent_name_or_id: str, capability: str, actor: Actor) -> Agent:
-    return _set_capability(agent_name_or_id=agent_name_or_id, capability=capability, grant=False, actor=actor)
+def revoke_capability(*, agent_id: str = "", agent_name_or_id: str = "", capability: str, actor: Actor,
+                      proposal: tuple[str, str] | None = None) -> Agent:
+    return _set_capability(agent_id=agent_id, agent_name_or_id=agent_name_or_id, capability=capability,
+                           grant=False, actor=actor, proposal=proposal)
 
 
 @transaction.atomic
-def grant_capability(*, agent_name_or_id: str, capability: str, actor: Actor) -> Agent:
-    return _set_capability(agent_name_or_id=agent_name_or_id, capability=capability, grant=True, actor=actor)
+def grant_capability(*, agent_id: str = "", agent_name_or_id: str = "", capability: str, actor: Actor,
+                      proposal: tuple[str, str] | None = None) -> Agent:
+    return _set_capability(agent_id=agent_id, agent_name_or_id=agent_name_or_id, capability=capability,
+                           grant=True, actor=actor, proposal=proposal)
 
 
 @transaction.atomic
