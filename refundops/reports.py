@@ -19,7 +19,7 @@ from processors.models import SandboxControl
 from refundops import breaker
 from refundops.errors import ApiError
 from refundops.models import COUNTING_STATES, LedgerDiscrepancy, Payment, PlatformState, Refund, RefundState
-from refundops.selectors import active_limits, start_of_day
+from refundops.selectors import active_limits, limits_zone, start_of_local_day
 from refundops.services.payouts import gateway_backlog
 
 DAYS = 14
@@ -88,14 +88,16 @@ class Dashboard:
 
 
 def _window(now: datetime, days: int) -> tuple[datetime, list[date]]:
-    first = start_of_day(now) - timedelta(days=days - 1)
-    return first, [(first + timedelta(days=i)).date() for i in range(days)]
+    """The first instant of the first of the last ``days`` local days (the limits' days), and those days."""
+    today = timezone.localtime(now, limits_zone()).date()
+    dates = [today - timedelta(days=days - 1 - i) for i in range(days)]
+    return start_of_local_day(dates[0]), dates
 
 
 def refunds_per_day(*, since: datetime, days: list[date]) -> list[CurrencyDays]:
     """Value and count of refunds that count against limits, per currency and local day."""
     rows = (Refund.objects.filter(status__in=COUNTING_STATES, created_at__gte=since)
-            .annotate(day=TruncDate("created_at", tzinfo=timezone.get_current_timezone()))
+            .annotate(day=TruncDate("created_at", tzinfo=limits_zone()))
             .values("currency", "day").annotate(n=Count("id"), total=Sum("amount_minor"))
             .order_by())
     by_currency: dict[str, dict[date, tuple[int, int]]] = defaultdict(dict)
@@ -142,7 +144,7 @@ def duplicates_blocked(*, since: datetime) -> tuple[dict[date, int], dict[str, i
     """Replays answered from an idempotency key's first answer: per day, and per caller."""
     replays = Verdict.objects.filter(deduplicated=True, created_at__gte=since)
     per_day = {row["day"]: row["n"] for row in
-               replays.annotate(day=TruncDate("created_at", tzinfo=timezone.get_current_timezone()))
+               replays.annotate(day=TruncDate("created_at", tzinfo=limits_zone()))
                .values("day").annotate(n=Count("id")).order_by()}
     per_caller = {(row["agent_name"] or f"staff: {row['staff_username']}"): row["n"] for row in
                   replays.values("agent_name", "staff_username").annotate(n=Count("id")).order_by("-n")[:10]}

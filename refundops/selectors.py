@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import re
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, time, timedelta, tzinfo
 
 from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, JSONField, Q, Sum
@@ -88,8 +89,61 @@ def _json_columns(model) -> tuple[list[str], list[tuple]]:
     return [f.attname for f in fields], [(f, isinstance(f, JSONField), kept_types(f)) for f in fields]
 
 
-def start_of_day(now: datetime) -> datetime:
-    return timezone.localtime(now).replace(hour=0, minute=0, second=0, microsecond=0)
+def limits_zone() -> tzinfo:
+    """The zone whose days the daily limits count: ``TIME_ZONE`` (settings, from the environment),
+    the same for every merchant and currency. Not the thread's active zone (``timezone.activate``):
+    a zone shown to a person must never move the limits' day."""
+    return timezone.get_default_timezone()
+
+
+def start_of_local_day(day: date, zone: tzinfo | None = None) -> datetime:
+    """The first instant (in UTC) of the local date ``day`` in ``zone`` (default: ``limits_zone()``).
+    Where the clocks fall back at midnight, midnight happens twice: the first one (fold 0). Where
+    they spring forward over it, midnight never happens: the day starts at the jump."""
+    zone = zone or limits_zone()
+    midnight = datetime.combine(day, time(0))
+
+    def reached(instant: datetime) -> bool:
+        return instant.astimezone(zone).replace(tzinfo=None) >= midnight
+
+    # The two readings of midnight: the same instant, the two occurrences (earlier first), or, if
+    # the clocks skip it, one instant either side of the jump.
+    early, late = sorted(midnight.replace(tzinfo=zone, fold=fold).astimezone(UTC) for fold in (0, 1))
+    if reached(early):
+        return early
+    while late - early > timedelta(microseconds=1):  # skipped: find the jump (clocks only go forward here)
+        middle = early + (late - early) // 2
+        early, late = (early, middle) if reached(middle) else (middle, late)
+    return late
+
+
+def start_of_day(now: datetime, zone: tzinfo | None = None) -> datetime:
+    """The first instant (in UTC) of ``now``'s local day in ``zone`` (default: ``limits_zone()``)."""
+    zone = zone or limits_zone()
+    return start_of_local_day(timezone.localtime(now, zone).date(), zone)
+
+
+@dataclass(frozen=True)
+class LimitWindows:
+    """Where each window of the running totals starts (in UTC) for a decision at ``now``: a refund
+    counts in a window when its ``counted_at`` is at or after the start. The day is local
+    (``limits_zone()``); the others are elapsed time, whatever the clocks do in between."""
+
+    day: datetime  # today's first instant: the daily limits (customer, agent, global)
+    hour: datetime  # an hour ago: the agent's hourly limit
+    month: datetime  # 30 x 24 hours ago: the customer's 30 days
+    velocity: datetime  # the hold rules' velocity window
+    cumulative: datetime  # the limits' cumulative window (agents' refunds to a customer)
+
+
+def limit_windows(now: datetime, *, velocity_hours: int = 24, cumulative_hours: int = 24,
+                  zone: tzinfo | None = None) -> LimitWindows:
+    """The windows of a decision at ``now`` (aware, in any zone): one plain computation that the
+    statement, the ORM reading and any reference model share."""
+    now = timezone.localtime(now, UTC)  # elapsed arithmetic: an aware local time would add wall-clock hours
+    return LimitWindows(day=start_of_day(now, zone), hour=now - timedelta(hours=1),
+                        month=now - timedelta(days=30), velocity=now - timedelta(hours=velocity_hours),
+                        cumulative=now - timedelta(hours=cumulative_hours))
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -197,14 +251,13 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
     switch, or all agents switched off: a request whose key was checked before the switch is decided
     after it) and the latest version of the currency's limits (0: none), as read after the decision's
     locks."""
-    day, hour = start_of_day(now), now - timedelta(hours=1)
+    windows = limit_windows(now, velocity_hours=velocity_hours, cumulative_hours=cumulative_hours)
     params = {"exclude": exclude_refund_id, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
               # None, not "": the currency's own buckets are kept under agent_id "" (models/totals.py)
               "agent": agent_id or None, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
-              "day": day, "day_bucket": first_bucket_from(day), "hour": hour, "hour_bucket": first_bucket_from(hour),
-              "month": now - timedelta(days=30),
-              "velocity": now - timedelta(hours=velocity_hours),
-              "cumulative": now - timedelta(hours=cumulative_hours),
+              "day": windows.day, "day_bucket": first_bucket_from(windows.day),
+              "hour": windows.hour, "hour_bucket": first_bucket_from(windows.hour), "month": windows.month,
+              "velocity": windows.velocity, "cumulative": windows.cumulative,
               # The cumulative threshold adds up refunds of the asker's kind: agents', or people's.
               "cumulative_origin": str(Refund.Origin.AGENT if agent_id else Refund.Origin.STAFF)}
     wrapper = db()
