@@ -251,15 +251,9 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
     switch, or all agents switched off: a request whose key was checked before the switch is decided
     after it) and the latest version of the currency's limits (0: none), as read after the decision's
     locks."""
-    windows = limit_windows(now, velocity_hours=velocity_hours, cumulative_hours=cumulative_hours)
-    params = {"exclude": exclude_refund_id, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
-              # None, not "": the currency's own buckets are kept under agent_id "" (models/totals.py)
-              "agent": agent_id or None, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
-              "day": windows.day, "day_bucket": first_bucket_from(windows.day),
-              "hour": windows.hour, "hour_bucket": first_bucket_from(windows.hour), "month": windows.month,
-              "velocity": windows.velocity, "cumulative": windows.cumulative,
-              # The cumulative threshold adds up refunds of the asker's kind: agents', or people's.
-              "cumulative_origin": str(Refund.Origin.AGENT if agent_id else Refund.Origin.STAFF)}
+    params = _totals_params(payment=payment, agent_id=agent_id, session_id=session_id, now=now,
+                            velocity_hours=velocity_hours, cumulative_hours=cumulative_hours,
+                            exclude_refund_id=exclude_refund_id)
     wrapper = db()
     if wrapper.vendor != "postgresql":
         latest = active_limits(payment.currency)
@@ -272,6 +266,28 @@ def totals_and_pause(*, payment: Payment, agent_id: str | None, session_id: str,
         cursor.execute(_TOTALS_SQL, {k: v for k, v in params.items() if k != "states"})
         *totals, paused, limits_version = cursor.fetchone()
     return Totals(*(int(v) for v in totals)), bool(paused), int(limits_version)
+
+
+def _totals_params(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime, velocity_hours: int,
+                   cumulative_hours: int, exclude_refund_id: str) -> dict:
+    windows = limit_windows(now, velocity_hours=velocity_hours, cumulative_hours=cumulative_hours)
+    return {"exclude": exclude_refund_id, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
+            # None, not "": the currency's own buckets are kept under agent_id "" (models/totals.py)
+            "agent": agent_id or None, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
+            "day": windows.day, "day_bucket": first_bucket_from(windows.day),
+            "hour": windows.hour, "hour_bucket": first_bucket_from(windows.hour), "month": windows.month,
+            "velocity": windows.velocity, "cumulative": windows.cumulative,
+            # The cumulative threshold adds up refunds of the asker's kind: agents', or people's.
+            "cumulative_origin": str(Refund.Origin.AGENT if agent_id else Refund.Origin.STAFF)}
+
+
+def running_totals_orm(*, payment: Payment, agent_id: str | None, session_id: str, now: datetime,
+                       velocity_hours: int = 24, cumulative_hours: int = 24, exclude_refund_id: str = "") -> Totals:
+    """``running_totals`` as the embedded SQLite mode reads them (the refunds summed through the ORM, no
+    kept totals), on any database: what the statement's reading must agree with."""
+    return _running_totals_orm(_totals_params(payment=payment, agent_id=agent_id, session_id=session_id, now=now,
+                                              velocity_hours=velocity_hours, cumulative_hours=cumulative_hours,
+                                              exclude_refund_id=exclude_refund_id))
 
 
 def _running_totals_orm(p: dict) -> Totals:

@@ -9,6 +9,7 @@ America/Havana, Atlantic/Azores in spring) midnight never happens: the day start
 
 from __future__ import annotations
 
+import functools
 import uuid
 from datetime import UTC, date, datetime, time, timedelta
 from zoneinfo import ZoneInfo
@@ -18,7 +19,8 @@ import time_machine
 from django.test import override_settings
 
 from refundops.callers import Caller
-from refundops.models import COUNTING_STATES, Refund
+from refundops.models import COUNTING_STATES, Refund, RefundState
+from refundops.policy import Totals
 from refundops.services.refunds import request_refund
 from tests.conftest import make_agent_key, make_customer, make_limits, make_payment, make_rules
 
@@ -66,3 +68,162 @@ def test_a_midnight_that_happens_twice_does_not_double_a_daily_limit(db, setting
     refused = _ask(caller, payments[1], 10_000, second)
     assert (refused.status, refused.code) == (422, "DAILY_LIMIT_REACHED"), refused.body
     assert Refund.objects.filter(status__in=COUNTING_STATES).count() == 1
+
+
+# ---- every window, against a plain computation over the refunds' instants ------------------------
+
+def transitions(zone: str, year: int) -> list[datetime]:
+    """The instants (UTC, to the second) the clocks of ``zone`` change offset in ``year``."""
+    tz, found = ZoneInfo(zone), []
+    at, end = datetime(year, 1, 1, tzinfo=UTC), datetime(year + 1, 1, 1, tzinfo=UTC)
+    while at < end:
+        nxt = at + timedelta(hours=1)
+        if at.astimezone(tz).utcoffset() != nxt.astimezone(tz).utcoffset():
+            low, high = at, nxt
+            while high - low > timedelta(seconds=1):
+                middle = low + (high - low) / 2
+                low, high = (middle, high) if middle.astimezone(tz).utcoffset() == at.astimezone(tz).utcoffset() \
+                    else (low, middle)
+            found.append(high)
+        at = nxt
+    return found
+
+
+@functools.cache
+def reference_day_start(day: date, zone: str) -> datetime:
+    """The first minute (UTC) at which the clocks of ``zone`` show the date ``day``: found by
+    looking at every minute of the 28 hours around it (every offset in use, and every transition
+    here, is a whole number of minutes)."""
+    tz = ZoneInfo(zone)
+    around = datetime.combine(day, time(0), tzinfo=UTC)
+    minutes = (around + timedelta(minutes=m) for m in range(-15 * 60, 13 * 60))
+    return min(t for t in minutes if t.astimezone(tz).date() == day)
+
+
+# Zones and the days their clocks change (and one without daylight saving): midnight twice (Azores,
+# Havana in the autumn), midnight skipped (Azores, Havana, Santiago, Beirut, Cairo in the spring), the
+# day before's last hour twice (Santiago, Beirut in the autumn), a 30-minute shift (Lord Howe), a
+# half-hour offset (Adelaide, St John's), a 45-minute one (Kathmandu), and history: Goose Bay fell back
+# from 00:01 to 23:01 (today, then yesterday again), Apia skipped 2011-12-30, Kathmandu moved from
+# +05:30 to +05:45 at midnight (skipped: 00:00 to 00:15).
+DAY_CASES = [(zone, edge.astimezone(ZoneInfo(zone)).date() + timedelta(days=shift))
+             for zone in ("Atlantic/Azores", "America/Havana", "America/Santiago", "Asia/Beirut", "Africa/Cairo",
+                          "America/Nuuk", "Australia/Lord_Howe", "Australia/Adelaide", "America/St_Johns")
+             for year in (2026, 2027) for edge in transitions(zone, year) for shift in (-1, 0, 1)] + [
+    ("Asia/Kathmandu", date(2026, 12, 7)), ("Asia/Kathmandu", date(1986, 1, 1)), ("Pacific/Apia", date(2011, 12, 31)),
+    ("America/Goose_Bay", date(1988, 10, 30)), ("America/Goose_Bay", date(1988, 4, 3)), ("UTC", date(2026, 12, 7))]
+
+
+def test_the_first_instant_of_a_local_day_is_the_first_minute_its_clocks_show_that_date():
+    from refundops.selectors import start_of_day, start_of_local_day
+
+    assert len(DAY_CASES) > 100
+    for zone, day in DAY_CASES:
+        first = reference_day_start(day, zone)
+        assert start_of_local_day(day, ZoneInfo(zone)) == first, (zone, day)
+        # from any instant of that day, whatever zone it is written in (Goose Bay's clocks went back to
+        # the day before a minute into it: those instants are yesterday's)
+        later = [first, first + timedelta(minutes=59, seconds=59),
+                 reference_day_start(day + timedelta(days=1), zone) - timedelta(microseconds=1)]
+        for later in [t for t in later if t.astimezone(ZoneInfo(zone)).date() == day]:
+            assert start_of_day(later, ZoneInfo(zone)) == first, (zone, day, later)
+            assert start_of_day(later.astimezone(ZoneInfo(zone)), ZoneInfo(zone)) == first, (zone, day, later)
+        assert start_of_day(first - timedelta(microseconds=1), ZoneInfo(zone)) < first
+
+
+SWEEP_STATES = [RefundState.APPROVED, RefundState.SETTLED, RefundState.FAILED, RefundState.HELD,
+                RefundState.REQUESTED, RefundState.CANCELED, RefundState.SUBMITTED]
+
+
+def reference_totals(refunds: list[Refund], customers: dict[str, str], *, payment, agent_id: str | None,
+                     now: datetime, zone: str, velocity_hours: int, cumulative_hours: int, exclude: str) -> Totals:
+    """What each limit's window holds at ``now``, summed in Python from the refunds' instants: the
+    day from its first minute (reference_day_start), the others in elapsed time. A refund counts
+    in a window from its start on, also one counted after ``now`` (a clock ahead), as the services do."""
+    now = now.astimezone(UTC)
+    day = reference_day_start(now.astimezone(ZoneInfo(zone)).date(), zone)
+    hour, month = now - timedelta(hours=1), now - timedelta(hours=30 * 24)
+    velocity, cumulative = now - timedelta(hours=velocity_hours), now - timedelta(hours=cumulative_hours)
+    counting = [r for r in refunds if r.status in COUNTING_STATES and r.pk != exclude]
+    in_currency = [r for r in counting if r.currency == payment.currency]
+    mine = [r for r in in_currency if customers[r.payment_id] == payment.customer_id]
+    agents = [r for r in in_currency if agent_id and r.agent_id == agent_id]
+    on_payment = [r for r in counting if r.payment_id == payment.pk]
+
+    def total(rows, since=None):
+        return sum(r.amount_minor for r in rows if since is None or r.counted_at >= since)
+
+    return Totals(
+        payment_refund_count=len(on_payment),
+        customer_day_count=sum(r.counted_at >= day for r in mine), customer_day_minor=total(mine, day),
+        customer_30d_count=sum(r.counted_at >= month for r in mine), customer_30d_minor=total(mine, month),
+        customer_velocity_count=sum(r.counted_at >= velocity for r in mine),
+        agent_hour_minor=total(agents, hour), agent_day_minor=total(agents, day), session_minor=0,
+        global_day_minor=total(in_currency, day),
+        agents_payment_minor=total([r for r in on_payment if r.origin == Refund.Origin.AGENT]),
+        agents_customer_window_minor=total([r for r in mine if r.origin == Refund.Origin.AGENT], cumulative))
+
+
+# The days' edges of the others (Beirut, Cairo, Nuuk, St John's) are checked above; their windows are these.
+SWEEP_ZONES = ["Atlantic/Azores", "America/Havana", "America/Santiago", "Australia/Lord_Howe", "Australia/Adelaide",
+               "Asia/Kathmandu"]
+
+
+@pytest.mark.parametrize("zone", SWEEP_ZONES)
+def test_every_window_sums_what_the_refunds_instants_say_across_both_transitions(db, settings, zone):
+    """Both transitions of 2026 in each zone (Kathmandu has none: a day of 2026 instead): refunds every
+    23 minutes from two days before to a day after (and around 30 days before), statuses, agents,
+    customers and origins mixed, a few on the first instant of each day and a microsecond before it;
+    then ``now`` every 67 minutes across it, and at each day's first instant, the transition, and
+    00:30 twice. At each, for an agent's payment and a staff one, with a refund excluded in turn:
+    the statement on the kept totals (half of them folded), the ORM's sum (the embedded mode's
+    reading) and the reference agree, window by window; again after a rebuild of the kept totals.
+    ``now`` is given in UTC and in the zone, in turn: the windows are the same instants."""
+    from refundops.selectors import running_totals, running_totals_orm
+    from refundops.services.totals import fold_totals, rebuild_totals
+
+    settings.TIME_ZONE = zone
+    tz = ZoneInfo(zone)
+    edges = transitions(zone, 2026) or [local(zone, date(2026, 10, 25), 0)]
+    agents = [make_agent_key()[0].agent for _ in range(2)]
+    for currency, edge in zip(["USD", "EUR", "GBP"], edges, strict=False):
+        people = [make_customer(), make_customer()]
+        payments = [make_payment(amount=10**9, currency=currency, customer=people[i % 2]) for i in range(3)]
+        customers = {p.pk: p.customer_id for p in payments}
+        days = {(edge + timedelta(hours=h)).astimezone(tz).date() for h in range(-60, 30, 6)}
+        firsts = [reference_day_start(d, zone) for d in sorted(days)]
+        instants = ([edge + timedelta(minutes=23 * k) for k in range(-130, 68)]
+                    + [edge - timedelta(days=30) + timedelta(minutes=47 * k) for k in range(-36, 36)]
+                    + [f + step for f in firsts for step in (-timedelta(microseconds=1), timedelta(0))])
+        refunds = []
+        for i, at in enumerate(sorted(instants)):
+            agent = [agents[0], None, agents[1]][i % 3]
+            origin = Refund.Origin.AGENT if agent else [Refund.Origin.STAFF, Refund.Origin.EXTERNAL][i % 2]
+            refunds.append(Refund.objects.create(
+                payment=payments[i % 3], amount_minor=100 + i, currency=currency, reason="duplicate", agent=agent,
+                origin=origin, status=SWEEP_STATES[i % len(SWEEP_STATES)], counted_at=at))
+            if at < edge <= at + timedelta(minutes=23):
+                fold_totals()  # the buckets before the transition folded, those after not yet
+        nows = ([edge + timedelta(minutes=67 * m) for m in range(-23, 24)] + [edge, edge - timedelta(microseconds=1)]
+                + [f + step for f in firsts for step in (-timedelta(microseconds=1), timedelta(0))]
+                + [local(zone, edge.astimezone(tz).date(), 0, 30, fold=fold) for fold in (0, 1)])
+        checked = 0
+        for i, now in enumerate(sorted(nows)):
+            given = now if i % 2 else now.astimezone(tz)
+            exclude = refunds[i * 7 % len(refunds)].pk if i % 3 else ""
+            for payment, agent_id in ((payments[0], agents[0].pk), (payments[1], None)):
+                ask = dict(payment=payment, agent_id=agent_id, session_id="", now=given, velocity_hours=5,
+                           cumulative_hours=30, exclude_refund_id=exclude)
+                expected = reference_totals(refunds, customers, payment=payment, agent_id=agent_id, now=now,
+                                            zone=zone, velocity_hours=5, cumulative_hours=30, exclude=exclude)
+                assert running_totals(**ask) == expected, (zone, now, given, exclude)
+                assert running_totals_orm(**ask) == expected, (zone, now, given, exclude)
+                checked += 1
+        with time_machine.travel(min(nows), tick=False):  # keeps what a decision from then on reads
+            assert rebuild_totals() > 0
+        for now in sorted(nows)[::5]:
+            for payment, agent_id in ((payments[0], agents[0].pk), (payments[1], None)):
+                assert running_totals(payment=payment, agent_id=agent_id, session_id="", now=now) == \
+                    reference_totals(refunds, customers, payment=payment, agent_id=agent_id, now=now, zone=zone,
+                                     velocity_hours=24, cumulative_hours=24, exclude=""), (zone, now, "rebuilt")
+        assert checked > 100

@@ -4,16 +4,18 @@ replaced by their sum), the rebuild after a load the trigger did not see, and lo
 from __future__ import annotations
 
 import math
+from datetime import datetime, timedelta
 
 from django.db import connection, transaction
 from django.db.models.signals import post_save, pre_save
 from django.dispatch import receiver
+from django.utils import timezone
 
 from refundops.locks import advisory_key
 from refundops.models import COUNTING_STATES, Refund, RefundTotalDelta
 
 FOLD_LOCK_KEY = advisory_key("fold-refund-totals")
-KEEP_DAYS = 3  # a day's totals start at most a day ago (selectors.start_of_day): older buckets are never read
+KEEP_DAYS = 3  # a day's totals start at most a local day (25 h on a daylight-saving night) ago: older buckets are never read
 
 # The buckets written to since they were last folded (found through the index of unfolded rows: the
 # cost follows the refunds since the last fold, not the rows kept), each replaced by one row, its sum.
@@ -32,7 +34,7 @@ SELECT (SELECT count(*) FROM gone) - (SELECT count(*) FROM put)
 """.format(deltas=RefundTotalDelta._meta.db_table)
 
 _DROP_OLD_SQL = """
-DELETE FROM {deltas} WHERE bucket < now() - make_interval(days => %(keep_days)s)
+DELETE FROM {deltas} WHERE bucket < %(since)s
 """.format(deltas=RefundTotalDelta._meta.db_table)
 
 
@@ -42,9 +44,15 @@ _REBUILD_SQL = """
 INSERT INTO {deltas} (currency, agent_id, bucket, amount_minor, folded)
 SELECT currency, scope, refundops_total_bucket(counted_at), SUM(amount_minor), true
   FROM {refund}, unnest(ARRAY['', agent_id]) AS scope
- WHERE status = ANY(%(states)s) AND scope IS NOT NULL AND counted_at >= now() - make_interval(days => %(keep_days)s)
+ WHERE status = ANY(%(states)s) AND scope IS NOT NULL AND counted_at >= %(since)s
  GROUP BY 1, 2, 3
 """.format(deltas=RefundTotalDelta._meta.db_table, refund=Refund._meta.db_table)
+
+
+def _kept_since() -> datetime:
+    """The oldest instant a kept bucket is read for, by the clock the decisions' windows are read by
+    (selectors.limit_windows: the application's, not the database's ``now()``), with room to spare."""
+    return timezone.now() - timedelta(days=KEEP_DAYS)
 
 
 def fold_totals() -> int:
@@ -70,7 +78,7 @@ def drop_old_totals() -> int:
     if connection.vendor != "postgresql":
         return 0
     with connection.cursor() as cursor:
-        cursor.execute(_DROP_OLD_SQL, {"keep_days": KEEP_DAYS})
+        cursor.execute(_DROP_OLD_SQL, {"since": _kept_since()})
         return cursor.rowcount
 
 
@@ -94,7 +102,7 @@ def rebuild_totals(*, lock_timeout_ms: float = 5_000) -> int:
         cursor.execute("SELECT pg_advisory_xact_lock(%s)", [FOLD_LOCK_KEY])
         cursor.execute(f"LOCK TABLE {Refund._meta.db_table} IN SHARE MODE")
         cursor.execute(f"DELETE FROM {RefundTotalDelta._meta.db_table}")
-        cursor.execute(_REBUILD_SQL, {"states": [str(s) for s in COUNTING_STATES], "keep_days": KEEP_DAYS})
+        cursor.execute(_REBUILD_SQL, {"states": [str(s) for s in COUNTING_STATES], "since": _kept_since()})
         return cursor.rowcount
 
 
