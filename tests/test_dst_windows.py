@@ -227,3 +227,69 @@ def test_every_window_sums_what_the_refunds_instants_say_across_both_transitions
                     reference_totals(refunds, customers, payment=payment, agent_id=agent_id, now=now, zone=zone,
                                      velocity_hours=24, cumulative_hours=24, exclude=""), (zone, now, "rebuilt")
         assert checked > 100
+
+
+# ---- where the limits' zone comes from -----------------------------------------------------------
+
+def test_the_limits_day_is_time_zones_not_the_zone_active_in_the_thread(db, settings):
+    """``TIME_ZONE`` (settings, from the environment) is the one source of the limits' day: no
+    merchant, limits row or request carries a zone. A zone activated for a person's display
+    (``timezone.override``) does not move it. Before, the day was the active zone's: at 11:00 UTC
+    with Kiritimati (+14) active, "today" began at 10:00 UTC, and a refund at 09:00 UTC the same
+    UTC day was yesterday's."""
+    from django.utils import timezone
+
+    from refundops.selectors import limit_windows, limits_zone
+
+    settings.TIME_ZONE = "UTC"
+    settings.BREAKER_MIN_COUNT = 10**6
+    day = date(2026, 12, 7)
+    with time_machine.travel(datetime(2026, 12, 6, tzinfo=UTC), tick=False):
+        make_limits(allowed_reasons=["duplicate"], customer_daily_count=1)
+        make_rules()
+        customer = make_customer()
+        payments = [make_payment(amount=50_000, customer=customer) for _ in range(2)]
+        caller = Caller.for_key(make_agent_key("refunds.create")[0])
+    with timezone.override(ZoneInfo("Pacific/Kiritimati")):
+        assert _ask(caller, payments[0], 1_000, datetime.combine(day, time(9), tzinfo=UTC)).status == 201
+        refused = _ask(caller, payments[1], 1_000, datetime.combine(day, time(11), tzinfo=UTC))
+        assert (refused.status, refused.code) == (422, "DAILY_LIMIT_REACHED"), refused.body
+        assert limits_zone() == ZoneInfo("UTC")
+        assert limit_windows(datetime(2026, 12, 7, 11, tzinfo=UTC)).day == datetime(2026, 12, 7, tzinfo=UTC)
+    with override_settings(TIME_ZONE="Pacific/Kiritimati"):  # the setting does move it
+        assert limit_windows(datetime(2026, 12, 7, 11, tzinfo=UTC)).day == datetime(2026, 12, 7, 10, tzinfo=UTC)
+
+
+# ---- the breaker's minutes -----------------------------------------------------------------------
+
+# Five minutes of clock readings across a transition, one elapsed minute apart, given in the zone.
+BREAKER_NIGHTS = [
+    ("Atlantic/Azores", date(2026, 10, 25), [(0, 57, 0), (0, 58, 0), (0, 59, 0), (0, 0, 1), (0, 1, 1), (0, 2, 1)]),
+    ("Australia/Lord_Howe", date(2026, 10, 4), [(1, 57, 0), (1, 58, 0), (1, 59, 0), (2, 30, 0), (2, 31, 0), (2, 32, 0)]),
+    ("Australia/Lord_Howe", date(2026, 4, 5), [(1, 57, 0), (1, 58, 0), (1, 59, 0), (1, 30, 1), (1, 31, 1), (1, 32, 1)]),
+    ("America/Havana", date(2026, 3, 8), [(23, 57, 0), (23, 58, 0), (23, 59, 0), (1, 0, 0), (1, 1, 0), (1, 2, 0)]),
+]
+
+
+@pytest.mark.parametrize("zone, day, readings", BREAKER_NIGHTS)
+@pytest.mark.parametrize("last, opens", [(4, True), (5, False)])
+def test_the_breakers_window_is_elapsed_minutes_across_a_transition(db, settings, zone, day, readings, last, opens):
+    """The breaker counts agent refunds in the last ``BREAKER_WINDOW_MINUTES`` elapsed minutes. Six
+    refunds, the first five one elapsed minute apart across the jump (the clocks read 00:59 then
+    00:00, or 01:59 then 02:30), the sixth in the fifth minute: six in five minutes, over the floor
+    of five, opens it; the sixth a minute later (the first has left the window): five, stays closed."""
+    from refundops import breaker
+
+    settings.BREAKER_WINDOW_MINUTES, settings.BREAKER_BASELINE_MINUTES, settings.BREAKER_FACTOR = 5, 60, 5
+    settings.BREAKER_MIN_COUNT, settings.BREAKER_MIN_VALUE = 5, 10**9
+    tz = ZoneInfo(zone)
+    instants = [datetime.combine(day - timedelta(days=h == 23), time(h, m), tzinfo=tz).replace(fold=f)
+                for h, m, f in readings]  # given in the zone (their difference there is wall-clock time)
+    assert [b.timestamp() - a.timestamp() for a, b in zip(instants, instants[1:])] == [60] * 5
+
+    def later(at: datetime, seconds: int) -> datetime:  # elapsed seconds, written in the zone again
+        return (at.astimezone(UTC) + timedelta(seconds=seconds)).astimezone(tz)
+
+    for at in [*instants[:5], instants[last]]:
+        breaker.record_refund(100, "USD", later(at, 30))
+    assert breaker.is_open(now=later(instants[last], 31)) is opens
