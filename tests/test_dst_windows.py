@@ -293,3 +293,27 @@ def test_the_breakers_window_is_elapsed_minutes_across_a_transition(db, settings
     for at in [*instants[:5], instants[last]]:
         breaker.record_refund(100, "USD", later(at, 30))
     assert breaker.is_open(now=later(instants[last], 31)) is opens
+
+
+# ---- the dashboard's days -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("zone, day", FALL_BACK_AT_MIDNIGHT)
+def test_the_dashboards_day_counts_its_first_hour_during_its_second(db, settings, zone, day):
+    """The dashboard's refunds per day (against the global daily limit) start at the same first
+    instant as the limits: the refund of the first 00:10 is on today during the second 00:30."""
+    from refundops.reports import dashboard
+
+    settings.TIME_ZONE = zone
+    make_limits()
+    payment = make_payment(amount=50_000)
+    with time_machine.travel(local(zone, day, 0, 10), tick=False):
+        Refund.objects.create(payment=payment, amount_minor=700, currency="USD", reason="duplicate",
+                              status=RefundState.SETTLED)
+    for days in (1, 2):
+        board = dashboard(now=local(zone, day, 0, 30, fold=1), days=days)
+        # (compared as timestamps: Python never finds an instant of a repeated hour, written in its
+        # zone, equal to one written in another)
+        assert board.since.timestamp() == local(zone, day - timedelta(days=days - 1), 0).timestamp()
+        (usd,) = board.per_currency
+        assert [(d.day, d.count, d.amount_minor) for d in usd.days] == \
+            [(day - timedelta(days=1), 0, 0), (day, 1, 700)][-days:]
