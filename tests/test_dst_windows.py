@@ -177,10 +177,11 @@ def test_every_window_sums_what_the_refunds_instants_say_across_both_transitions
     then ``now`` every 67 minutes across it, and at each day's first instant, the transition, and
     00:30 twice. At each, for an agent's payment and a staff one, with a refund excluded in turn:
     the statement on the kept totals (half of them folded), the ORM's sum (the embedded mode's
-    reading) and the reference agree, window by window; again after a rebuild of the kept totals.
+    reading) and the reference agree, window by window; again after a rebuild of the kept totals
+    and the drop of the old ones.
     ``now`` is given in UTC and in the zone, in turn: the windows are the same instants."""
     from refundops.selectors import running_totals, running_totals_orm
-    from refundops.services.totals import fold_totals, rebuild_totals
+    from refundops.services.totals import drop_old_totals, fold_totals, rebuild_totals
 
     settings.TIME_ZONE = zone
     tz = ZoneInfo(zone)
@@ -221,6 +222,7 @@ def test_every_window_sums_what_the_refunds_instants_say_across_both_transitions
                 checked += 1
         with time_machine.travel(min(nows), tick=False):  # keeps what a decision from then on reads
             assert rebuild_totals() > 0
+            drop_old_totals()  # and the hourly drop, by the same clock, leaves it
         for now in sorted(nows)[::5]:
             for payment, agent_id in ((payments[0], agents[0].pk), (payments[1], None)):
                 assert running_totals(payment=payment, agent_id=agent_id, session_id="", now=now) == \
