@@ -149,6 +149,7 @@ def reference_totals(refunds: list[Refund], customers: dict[str, str], *, paymen
     mine = [r for r in in_currency if customers[r.payment_id] == payment.customer_id]
     agents = [r for r in in_currency if agent_id and r.agent_id == agent_id]
     on_payment = [r for r in counting if r.payment_id == payment.pk]
+    kind = Refund.Origin.AGENT if agent_id else Refund.Origin.STAFF  # the cumulative threshold's: the asker's
 
     def total(rows, since=None):
         return sum(r.amount_minor for r in rows if since is None or r.counted_at >= since)
@@ -160,8 +161,8 @@ def reference_totals(refunds: list[Refund], customers: dict[str, str], *, paymen
         customer_velocity_count=sum(r.counted_at >= velocity for r in mine),
         agent_hour_minor=total(agents, hour), agent_day_minor=total(agents, day), session_minor=0,
         global_day_minor=total(in_currency, day),
-        agents_payment_minor=total([r for r in on_payment if r.origin == Refund.Origin.AGENT]),
-        agents_customer_window_minor=total([r for r in mine if r.origin == Refund.Origin.AGENT], cumulative))
+        agents_payment_minor=total([r for r in on_payment if r.origin == kind]),
+        agents_customer_window_minor=total([r for r in mine if r.origin == kind], cumulative))
 
 
 # The days' edges of the others (Beirut, Cairo, Nuuk, St John's) are checked above; their windows are these.
