@@ -133,7 +133,7 @@ class LimitWindows:
     hour: datetime  # an hour ago: the agent's hourly limit
     month: datetime  # 30 x 24 hours ago: the customer's 30 days
     velocity: datetime  # the hold rules' velocity window
-    cumulative: datetime  # the limits' cumulative window (agents' refunds to a customer)
+    cumulative: datetime  # the limits' cumulative window (the asker's kind's refunds to a customer)
 
 
 def limit_windows(now: datetime, *, velocity_hours: int = 24, cumulative_hours: int = 24,
