@@ -65,6 +65,7 @@ SLOW_TESTS = {
     "test_openapi.py::test_refund_operations_never_answer_a_server_error",
     "test_mcp_http.py::test_manage_py_mcp_refuses_to_start_without_a_live_key",
     "test_mcp_http.py::test_manage_py_mcp_serves_the_tools_of_its_key_over_stdio",
+    "test_dst_windows.py::test_every_window_sums_what_the_refunds_instants_say_across_both_transitions",
 }
 
 
