@@ -61,8 +61,9 @@ class Command(BaseCommand):
                 "recorded": [refund_id for c in run.checks for refund_id in c.recorded],
             }, indent=2))
         else:
-            self.stdout.write(f"{run.checked} payments compared ({len(run.unverifiable)} of them unverifiable: "
-                              f"their gateway cannot list every refund), {len(run.unreachable)} unreachable, "
+            unverifiable = (f" ({len(run.unverifiable)} of them unverifiable: their gateway cannot list every "
+                            f"refund)" if run.unverifiable else "")
+            self.stdout.write(f"{run.checked} payments compared{unverifiable}, {len(run.unreachable)} unreachable, "
                               f"{len(still_open)} discrepancies open.")
         if still_open:
             raise CommandError(f"{len(still_open)} ledger discrepancies are open: resolve them in the admin "
