@@ -370,11 +370,7 @@ REFUND_SYNC_AFTER_SECONDS = env.int("REFUND_SYNC_AFTER_SECONDS", default=120)
 # How long a gateway may keep a refund pending before it is overdue: reconcile then raises it
 # (``submitted_overdue``) for a person. Stripe's card refunds settle within days, its slowest
 # methods within about a week; PayPal's within a few days (eCheck-funded); the sandbox at once.
-REFUND_SETTLEMENT_SECONDS = {
-    "stripe": env.int("REFUND_SETTLEMENT_SECONDS_STRIPE", default=10 * 86400),
-    "paypal": env.int("REFUND_SETTLEMENT_SECONDS_PAYPAL", default=7 * 86400),
-    "sandbox": env.int("REFUND_SETTLEMENT_SECONDS_SANDBOX", default=86400),
-}
+REFUND_SETTLEMENT_SECONDS = {"stripe": 10 * 86400, "paypal": 7 * 86400, "sandbox": 86400}
 GATEWAY_BREAKER_THRESHOLD = env.int("GATEWAY_BREAKER_THRESHOLD", default=5)
 GATEWAY_BREAKER_COOLDOWN_SECONDS = env.float("GATEWAY_BREAKER_COOLDOWN_SECONDS", default=30)
 # Inbound gateway events: a body over this is refused (413) before it is parsed or verified.

@@ -227,4 +227,5 @@ def reconcile_ledgers() -> dict[str, int]:
     if found or run.unreachable:
         log.warning("reconcile: %s payments compared, %s differences, %s unreachable",
                     run.checked, found, len(run.unreachable))
-    return {"checked": run.checked, "discrepancies": found, "unreachable": len(run.unreachable)}
+    return {"checked": run.checked, "discrepancies": found, "unreachable": len(run.unreachable),
+            "unverifiable": len(run.unverifiable)}
