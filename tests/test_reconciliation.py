@@ -333,5 +333,5 @@ def test_the_periodic_job_is_scheduled_and_reconciles(settings, gateways, stripe
 
     counts = celery_app.tasks[entry["task"]].delay().get()
 
-    assert counts == {"checked": 1, "discrepancies": 1, "unreachable": 0}
+    assert counts == {"checked": 1, "discrepancies": 1, "unreachable": 0, "unverifiable": 0}
     assert LedgerDiscrepancy.objects.get().kind == Kind.CAPTURE_MISMATCH
