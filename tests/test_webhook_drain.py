@@ -14,6 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from unittest import mock
 
 import pytest
+import time_machine
+from django.utils import timezone
 
 from refundops import merchant_http, outbound
 from refundops.models import MerchantEndpoint, WebhookDelivery
@@ -97,3 +99,22 @@ def test_recording_an_attempt_never_undoes_a_delivery_another_attempt_made(merch
     delivery.refresh_from_db()
     assert (delivery.status, delivery.attempts, delivery.last_error) == (WebhookDelivery.Status.DELIVERED, 1, "")
     assert answer.status == WebhookDelivery.Status.DELIVERED
+
+
+def test_a_delivery_merely_queued_behind_a_backlog_is_not_sent_again_on_every_sweep(settings):
+    """The overdue sweep cannot tell a lost task from one still queued behind others. Sending again
+    every sweep turned a backlog into more backlog (the fault harness: 8,000 deliver_webhook
+    messages queued for 700 pending deliveries): each resend now waits as long as the delivery had
+    already waited, so a delivery is sent a few times, not once a sweep."""
+    settings.WEBHOOK_OVERDUE_SECONDS = 4
+    endpoint = MerchantEndpoint.objects.create(url="https://merchant.example/hooks")
+    start = timezone.now()
+    WebhookDelivery.objects.create(endpoint=endpoint, event_id="evt_1", event_type="refund.settled",
+                                   payload={"id": "evt_1"}, next_attempt_at=start)
+    resent = []
+    with time_machine.travel(start, tick=False) as clock:
+        for _ in range(30):  # a minute of sweeps every 2 s, the delivery's message still queued
+            clock.shift(2)
+            resent.append(outbound.deliver_overdue())
+
+    assert 1 <= sum(resent) <= 5, resent
