@@ -8,7 +8,7 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('audit', '0003_verdict_policy_input_shadow'),
-        ('refundops', '0017_drop_pattern_ops_twins'),
+        ('refundops', '0018_agent_name_not_an_id'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
