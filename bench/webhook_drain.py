@@ -30,6 +30,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -220,6 +221,7 @@ class Bench:
         self.redis.kill()
         if not self.args.keep:
             drop_database(self.db_url)
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def main() -> int:
@@ -229,7 +231,7 @@ def main() -> int:
     parser.add_argument("--goal", type=float, default=60.0, help="seconds the burst should drain within")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up on a drain after this long")
     parser.add_argument("--database", default="refundops_webhook_drain")
-    parser.add_argument("--keep", action="store_true", help="keep the database afterwards")
+    parser.add_argument("--keep", action="store_true", help="keep the database and the work directory (worker logs)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     bench = Bench(args)
