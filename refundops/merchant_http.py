@@ -77,6 +77,10 @@ class _CheckedConnect:
         except AddressRefused as refused:
             raise NewConnectionError(self, str(refused)) from None
         sock = socket.socket(family, socket.SOCK_STREAM)
+        # urllib3's own socket options (TCP_NODELAY): it sends the body after the headers, and
+        # without them Nagle's algorithm holds the body for the server's delayed ACK, ~40 ms a call.
+        for option in self.socket_options or ():
+            sock.setsockopt(*option)
         sock.settimeout(self.timeout)
         try:
             sock.connect((address, self.port))

@@ -367,6 +367,10 @@ BREAKER_HALF_OPEN_PROBES = env.int("BREAKER_HALF_OPEN_PROBES", default=5)
 
 # Gateway health and our own webhooks (defaults suit production; tests shorten them).
 REFUND_SYNC_AFTER_SECONDS = env.int("REFUND_SYNC_AFTER_SECONDS", default=120)
+# How long a gateway may keep a refund pending before it is overdue: reconcile then raises it
+# (``submitted_overdue``) for a person. Stripe's card refunds settle within days, its slowest
+# methods within about a week; PayPal's within a few days (eCheck-funded); the sandbox at once.
+REFUND_SETTLEMENT_SECONDS = {"stripe": 10 * 86400, "paypal": 7 * 86400, "sandbox": 86400}
 GATEWAY_BREAKER_THRESHOLD = env.int("GATEWAY_BREAKER_THRESHOLD", default=5)
 GATEWAY_BREAKER_COOLDOWN_SECONDS = env.float("GATEWAY_BREAKER_COOLDOWN_SECONDS", default=30)
 # Inbound gateway events: a body over this is refused (413) before it is parsed or verified.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from celery import shared_task
@@ -104,12 +104,11 @@ def poll_refund(*, refund_id: str) -> str:
 @shared_task
 def sync_submitted_refunds(*, older_than_seconds: int | None = None, limit: int = 500) -> int:
     """Poll the gateway for refunds submitted longer than ``REFUND_SYNC_AFTER_SECONDS`` ago:
-    their webhook may have been lost. Younger ones still have their own follow-up syncs."""
+    their webhook may have been lost. Younger ones still have their own follow-up syncs. Each
+    sweep takes those asked least recently, so every submitted refund is reached in turn."""
     if older_than_seconds is None:
         older_than_seconds = settings.REFUND_SYNC_AFTER_SECONDS
-    cutoff = timezone.now() - timedelta(seconds=older_than_seconds)
-    ids = list(Refund.objects.filter(status=RefundState.SUBMITTED, submitted_at__lte=cutoff)
-               .order_by("submitted_at").values_list("pk", flat=True)[:limit])
+    ids = payouts.take_submitted_refunds_to_sync(older_than_seconds=older_than_seconds, limit=limit)
     for refund_id in ids:
         poll_refund.delay(refund_id=refund_id)
     return len(ids)
@@ -228,4 +227,5 @@ def reconcile_ledgers() -> dict[str, int]:
     if found or run.unreachable:
         log.warning("reconcile: %s payments compared, %s differences, %s unreachable",
                     run.checked, found, len(run.unreachable))
-    return {"checked": run.checked, "discrepancies": found, "unreachable": len(run.unreachable)}
+    return {"checked": run.checked, "discrepancies": found, "unreachable": len(run.unreachable),
+            "unverifiable": len(run.unverifiable)}

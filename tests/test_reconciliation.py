@@ -198,7 +198,7 @@ def test_a_refund_made_on_the_gateway_that_fits_is_recorded_as_the_webhook_would
         Refund.Origin.EXTERNAL, RefundState.SETTLED, 2_000)
     payment.refresh_from_db()
     assert payment.amount_refunded_minor == 5_000
-    assert reconcile() == ({"checked": 1, "discrepancies": [], "unreachable": [], "recorded": []}, 0)
+    assert reconcile() == ({"checked": 1, "discrepancies": [], "unreachable": [], "unverifiable": [], "recorded": []}, 0)
 
 
 def test_a_refund_made_on_the_gateway_that_no_longer_fits_is_raised_not_recorded(books: Books) -> None:
@@ -313,7 +313,7 @@ def test_gateway_and_since_choose_the_payments_and_progress_is_printed_for_peopl
     assert reconcile("--gateway", "sandbox")[0]["checked"] == 2
     since = (timezone.now() - timedelta(days=1)).date().isoformat()
     assert reconcile("--gateway", "sandbox", "--since", since) == (
-        {"checked": 1, "discrepancies": [], "unreachable": [], "recorded": []}, 0)
+        {"checked": 1, "discrepancies": [], "unreachable": [], "unverifiable": [], "recorded": []}, 0)
     out = io.StringIO()
     with pytest.raises(CommandError) as failed:
         call_command("reconcile", stdout=out)
@@ -333,5 +333,5 @@ def test_the_periodic_job_is_scheduled_and_reconciles(settings, gateways, stripe
 
     counts = celery_app.tasks[entry["task"]].delay().get()
 
-    assert counts == {"checked": 1, "discrepancies": 1, "unreachable": 0}
+    assert counts == {"checked": 1, "discrepancies": 1, "unreachable": 0, "unverifiable": 0}
     assert LedgerDiscrepancy.objects.get().kind == Kind.CAPTURE_MISMATCH

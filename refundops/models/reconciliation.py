@@ -22,6 +22,9 @@ class LedgerDiscrepancy(models.Model):
         AMOUNT_MISMATCH = "amount_mismatch", "Amounts differ"
         UNKNOWN_REFUND = "unknown_refund", "A refund at the gateway we never made or recorded"
         CAPTURE_MISMATCH = "capture_mismatch", "The captured amount differs"
+        # The gateway's book cannot list every refund, and one of ours may be there unseen.
+        UNVERIFIABLE = "unverifiable", "Could not be checked: the gateway cannot list its refunds"
+        SUBMITTED_OVERDUE = "submitted_overdue", "Submitted here past the gateway's settlement time"
 
     class Status(models.TextChoices):
         OPEN = "open", "Open"

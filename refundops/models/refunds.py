@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 from django_fsm import ConcurrentTransitionMixin, FSMField, transition
 from simple_history.models import HistoricalRecords
@@ -85,6 +85,9 @@ class Refund(ConcurrentTransitionMixin, models.Model):
     counted_at = models.DateTimeField(default=timezone.now, db_index=True)
     updated_at = models.DateTimeField(auto_now=True)
     submitted_at = models.DateTimeField(null=True, blank=True)
+    # When the periodic sync last took it to ask its gateway (null: never): the sweep takes the
+    # submitted refunds asked least recently first, so every one is reached in turn.
+    synced_at = models.DateTimeField(null=True, blank=True)
     settled_at = models.DateTimeField(null=True, blank=True)
     history = HistoricalRecords()
 
@@ -96,7 +99,9 @@ class Refund(ConcurrentTransitionMixin, models.Model):
                                     condition=~Q(processor_refund_id=""),
                                     name="refund_unique_processor_refund"),
         ]
-        indexes = [models.Index(fields=["status", "created_at"])]
+        indexes = [models.Index(fields=["status", "created_at"]),
+                   models.Index(F("synced_at").asc(nulls_first=True), "submitted_at",
+                                condition=Q(status="submitted"), name="refund_submitted_sync_order")]
         permissions = [("approve_refund", "Can approve or reject held refunds")]
 
     def __str__(self) -> str:

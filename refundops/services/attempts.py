@@ -24,6 +24,9 @@ from processors.base import ProcessorUnavailable
 from refundops.models import GatewayAttempt, Refund, RefundState
 
 Outcome = GatewayAttempt.Outcome
+# The error code of an unknown attempt that was looked up in a gateway book that cannot list every
+# refund (``PaymentBook.complete`` false): the look-up proved nothing, so it stays unknown.
+UNVERIFIABLE = "book_incomplete"
 WORKER_NAME = f"{socket.gethostname()}:{os.getpid()}"
 
 
@@ -52,6 +55,14 @@ def unresolved(refund: Refund, *, now=None) -> list[GatewayAttempt]:
     return list(refund.attempts.filter(Q(outcome=Outcome.UNKNOWN) | Q(outcome=Outcome.LIVE, lease_until__lte=now)))
 
 
+def _call_may_still_be_on(now) -> Q:
+    """A live attempt whose lease ran out less than a lease ago: its worker never answered, and
+    may still be waiting on a slow gateway that has not acted yet. A book read now that lacks its
+    refund says nothing of it (the call may land after the read); after one more lease the call is
+    over (the worker died, or its client gave up long since)."""
+    return Q(outcome=Outcome.LIVE, lease_until__gt=now - timedelta(seconds=settings.GATEWAY_ATTEMPT_LEASE_SECONDS))
+
+
 def may_be_at_gateway(refund: Refund) -> bool:
     """Whether the money of the refund's current submission may have left: a call in flight, an
     answer unknown, or an accepted one. Only the gateway's word may then end the refund."""
@@ -60,15 +71,21 @@ def may_be_at_gateway(refund: Refund) -> bool:
         | Q(outcome=Outcome.SUCCEEDED, idempotency_key=idempotency_key(refund))).exists()
 
 
-def open_attempt(refund: Refund) -> GatewayAttempt:
+def open_attempt(refund: Refund, *, resend_unverifiable: bool = False) -> GatewayAttempt:
     """A new live attempt for a refund whose row lock the caller holds. Refused while another
-    worker's lease runs, or while an earlier answer is unknown (look it up first)."""
+    worker's lease runs, or while an earlier answer is unknown (look it up first).
+    ``resend_unverifiable``: unknown attempts already looked up in a book that cannot list every
+    refund (:data:`UNVERIFIABLE`) do not stop a new call. Only the gateway's idempotency can answer
+    for them: the new call carries the same key, so it answers the refund they made, or makes it."""
     now = timezone.now()
     pending = list(refund.attempts.filter(outcome__in=(Outcome.LIVE, Outcome.UNKNOWN)).order_by("-lease_until"))
     live = next((attempt for attempt in pending if attempt.outcome == Outcome.LIVE), None)
     if live is not None and live.lease_until > now:
         raise RetryLater(f"refund {refund.pk}: another worker is calling the gateway ({live.worker})",
                          retry_after=(live.lease_until - now).total_seconds())
+    if resend_unverifiable:
+        pending = [a for a in pending if not (a.outcome == Outcome.UNKNOWN and a.error_code == UNVERIFIABLE
+                                              and a.idempotency_key == idempotency_key(refund))]
     if pending:  # a live one past its lease, or an unknown one
         raise AnswerUnknown(f"refund {refund.pk}: an earlier call's answer is unknown; look it up first",
                             retry_after=0)
@@ -93,11 +110,28 @@ def settle_unresolved(refund: Refund, outcome: str, *, started_before, processor
                       why: str = "") -> int:
     """After a look-up at the gateway: every unresolved attempt of the refund that started before
     the gateway was asked (``started_before``) gets what was found; a later one is not covered by
-    that answer. The refund's row lock is held by the caller."""
+    that answer. Nor is a live one whose worker may still be mid-call (:func:`_call_may_still_be_on`),
+    unless the gateway found its refund. The refund's row lock is held by the caller."""
+    now = timezone.now()
+    covered = refund.attempts.filter(Q(outcome=Outcome.UNKNOWN) | Q(outcome=Outcome.LIVE, lease_until__lte=now),
+                                     started_at__lt=started_before)
+    if outcome != Outcome.SUCCEEDED:
+        covered = covered.exclude(_call_may_still_be_on(now))
+    return covered.update(outcome=outcome, finished_at=now, processor_refund_id=processor_refund_id,
+                          error_message=why)
+
+
+def mark_unverifiable(refund: Refund, *, started_before) -> int:
+    """After a look-up in a book that cannot list every refund found nothing: the unresolved
+    attempts stay unknown (the money may have left), marked as looked up in vain. A live one past
+    its lease becomes unknown. Answers how many were newly marked. The refund's row lock is held
+    by the caller."""
     now = timezone.now()
     return refund.attempts.filter(Q(outcome=Outcome.UNKNOWN) | Q(outcome=Outcome.LIVE, lease_until__lte=now),
-                                  started_at__lt=started_before).update(
-        outcome=outcome, finished_at=now, processor_refund_id=processor_refund_id, error_message=why)
+                                  started_at__lt=started_before).exclude(_call_may_still_be_on(now)).exclude(
+        outcome=Outcome.UNKNOWN, error_code=UNVERIFIABLE).update(
+        outcome=Outcome.UNKNOWN, finished_at=now, error_code=UNVERIFIABLE,
+        error_message="looked up: the gateway's book cannot list every refund, so it cannot show this one")
 
 
 def resolve_by_news(refund: Refund, processor_refund_id: str) -> int:

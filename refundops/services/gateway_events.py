@@ -19,6 +19,7 @@ from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from audit.models import Verdict
@@ -32,6 +33,7 @@ from refundops.locks import lock_payment, lock_scopes
 from refundops.models import (
     COUNTING_STATES,
     Dispute,
+    GatewayAttempt,
     LedgerDiscrepancy,
     Payment,
     PaymentLink,
@@ -409,7 +411,10 @@ def _paid_twice(payment: Payment, changed: Dispute) -> bool:
     Set when a dispute opens or is lost on a payment with a refund at the gateway. Cleared only
     when the dispute that moved is won and no other dispute of the payment is lost (the money
     went back twice) or still open (it may yet): a won dispute settles only itself."""
-    refunded = payment.refunds.filter(status__in=(RefundState.SUBMITTED, RefundState.SETTLED)).exists()
+    # A refund whose call's answer is unknown (whatever our books say of it) may have been paid too.
+    refunded = payment.refunds.filter(
+        Q(status__in=(RefundState.SUBMITTED, RefundState.SETTLED))
+        | Q(attempts__outcome__in=(GatewayAttempt.Outcome.LIVE, GatewayAttempt.Outcome.UNKNOWN))).exists()
     if changed.status in (Dispute.Status.OPEN, Dispute.Status.LOST):
         return payment.paid_twice or refunded
     others_at_stake = payment.disputes.exclude(pk=changed.pk).filter(

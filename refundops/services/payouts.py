@@ -12,11 +12,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from django.db import transaction
-from django.db.models import Count, Min
+from django.db.models import Count, F, Min
 from django.utils import timezone
 
 from audit.models import Verdict
@@ -32,7 +32,7 @@ from processors.base import (
 from processors.registry import get_processor
 from refundops import metrics, outbound
 from refundops.locks import lock_payment, lock_refund
-from refundops.models import GatewayAttempt, LedgerDiscrepancy, Refund, RefundState
+from refundops.models import GatewayAttempt, LedgerDiscrepancy, Payment, Refund, RefundState
 from refundops.services import attempts
 from refundops.services.reconciliation import raise_discrepancy
 from refundops.services.refunds import sync_payment_amounts
@@ -96,7 +96,7 @@ def submit_refund(*, refund_id: str) -> Refund:
         if refund.status != RefundState.APPROVED:
             return refund
         attempt, refund = _open_attempt(refund_id, payment_id=refund.payment_id)
-    if attempt is None:
+    if attempt is None:  # nothing to pay, or it may be paid and a dispute forbids paying: for a person
         return refund
     processor = get_processor(refund.payment.processor, refund.payment.processor_account)
     request = RefundRequest(payment=payment_ref(refund.payment), amount=refund.money, reason=refund.reason,
@@ -125,7 +125,14 @@ def _open_attempt(refund_id: str, *, payment_id: str) -> tuple[GatewayAttempt | 
     refund = _cancel_if_disputed(_lock(refund_id, payment_id=payment_id))
     if refund.status != RefundState.APPROVED:
         return None, refund
-    return attempts.open_attempt(refund), refund
+    resend = not _dispute_forbids_paying(refund)
+    unresolved = attempts.unresolved(refund)
+    if not resend and unresolved and all(a.error_code == attempts.UNVERIFIABLE for a in unresolved):
+        # Not canceled (it may be paid) and not sent again (that could pay it on a disputed
+        # payment): a person decides, from the discrepancy raised for it. The stalled sweep looks
+        # again, and sends it once the dispute is won.
+        return None, refund
+    return attempts.open_attempt(refund, resend_unverifiable=resend), refund
 
 
 def resolve_unknown_attempts(*, refund_id: str) -> Refund:
@@ -150,13 +157,26 @@ def resolve_unknown_attempts(*, refund_id: str) -> Refund:
         refund = _lock(refund_id)
         if not attempts.unresolved(refund):
             return refund  # another worker resolved them meanwhile
+        if not found and not book.complete:
+            # A book that cannot list every refund never proves one absent: the answers stay unknown.
+            if attempts.mark_unverifiable(refund, started_before=asked_at):
+                record_audit(actor=WORKER, action="refund.attempt_unverifiable", subject_type="refund",
+                             subject_id=refund.pk, data={"looked_up": len(book.refunds),
+                                                         "verdict_id": refund.verdict_id})
+            if _dispute_forbids_paying(refund):
+                raise_unverifiable(refund, why=f"{refund.payment.processor} cannot list the refunds of "
+                                               f"{refund.payment.processor_reference}, and the payment's "
+                                               f"dispute forbids sending the call again to find out")
+            return refund
         if not found:
-            # A call that started after the book was read may have paid since: it stays unknown,
-            # and open_attempt refuses a new call until the next look-up.
-            attempts.settle_unresolved(refund, Outcome.ABSENT, started_before=asked_at,
-                                       why="looked up: the gateway has no refund for it")
-            record_audit(actor=WORKER, action="refund.attempt_absent", subject_type="refund", subject_id=refund.pk,
-                         data={"looked_up": len(book.refunds), "verdict_id": refund.verdict_id})
+            # A call that started after the book was read may have paid since, and one whose worker
+            # may still be waiting on the gateway may land after it: they stay unresolved, and
+            # open_attempt refuses a new call until the next look-up.
+            if attempts.settle_unresolved(refund, Outcome.ABSENT, started_before=asked_at,
+                                          why="looked up: the gateway has no refund for it"):
+                record_audit(actor=WORKER, action="refund.attempt_absent", subject_type="refund",
+                             subject_id=refund.pk, data={"looked_up": len(book.refunds),
+                                                         "verdict_id": refund.verdict_id})
             return refund
         first = found[0]
         attempts.settle_unresolved(refund, Outcome.SUCCEEDED, processor_refund_id=first.processor_refund_id,
@@ -197,6 +217,25 @@ def _cancel_if_disputed(refund: Refund) -> Refund:
                        "processor_dispute_id": refund.payment.dispute_reference,
                        "verdict_id": refund.verdict_id}, records=[refund.history.latest()])
     return refund
+
+
+def _dispute_forbids_paying(refund: Refund) -> bool:
+    """An approved refund no person approved, on a payment whose dispute is open or was lost: paying
+    it too could pay the customer twice."""
+    return (refund.status == RefundState.APPROVED and refund.payment.dispute_status in (
+        Payment.Dispute.OPEN, Payment.Dispute.LOST) and not approved_by_a_person(refund))
+
+
+def raise_unverifiable(refund: Refund, *, why: str) -> LedgerDiscrepancy:
+    """A refund of ours that may be at the gateway, which no book can show: for a person."""
+    key = attempts.idempotency_key(refund)
+    return raise_discrepancy(
+        payment=refund.payment, kind=LedgerDiscrepancy.Kind.UNVERIFIABLE, actor=WORKER, refund=refund,
+        gateway_reference=key, ours={"refund_id": refund.pk, "status": refund.status, "amount_minor": refund.amount_minor,
+                                     "currency": refund.currency, "idempotency_key": key},
+        theirs={"book": "incomplete"},
+        detail=f"Refund {refund.pk} ({refund.money}) may have been paid by {refund.payment.processor}: a call's "
+               f"answer was lost, and {why}. Look it up on the gateway's dashboard (request id {key}).")
 
 
 def approved_by_a_person(refund: Refund) -> bool:
@@ -330,7 +369,26 @@ def sync_refund(*, refund_id: str) -> Refund:
     processor = get_processor(refund.payment.processor, refund.payment.processor_account)
     result = call_gateway(processor.name, processor.account,
                           lambda: processor.fetch_refund(refund.processor_refund_id))
+    if (refund.status == RefundState.SUBMITTED and result.status == "pending"
+            and result.processor_refund_id == refund.processor_refund_id
+            and not refund.attempts.filter(outcome__in=(Outcome.LIVE, Outcome.UNKNOWN)).exists()):
+        return refund  # still on its way, and nothing to record: no locks, no writes
     return record_gateway_result(refund_id=refund.pk, result=result)
+
+
+@transaction.atomic
+def take_submitted_refunds_to_sync(*, older_than_seconds: float, limit: int) -> list[str]:
+    """Up to ``limit`` refunds submitted more than ``older_than_seconds`` ago, those the sync asked
+    least recently first (never asked: first of all), marked as asked now. Sweep after sweep the
+    oldest never crowd out the rest: each one's turn comes within (submitted refunds / limit)
+    sweeps. Rows another sweep is taking are skipped, not waited for."""
+    now = timezone.now()
+    ids = list(Refund.objects.filter(status=RefundState.SUBMITTED,
+                                     submitted_at__lte=now - timedelta(seconds=older_than_seconds))
+               .order_by(F("synced_at").asc(nulls_first=True), "submitted_at")
+               .select_for_update(skip_locked=True).values_list("pk", flat=True)[:limit])
+    Refund.objects.filter(pk__in=ids).update(synced_at=now)  # no history, no updated_at: not a change of it
+    return ids
 
 
 def gateway_backlog(*, now: datetime | None = None) -> list[dict[str, Any]]:

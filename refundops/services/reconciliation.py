@@ -36,7 +36,16 @@ from processors.base import (
 from processors.registry import UnknownProcessor, get_processor
 from refundops.errors import ApiError
 from refundops.locks import lock_payment
-from refundops.models import LedgerDiscrepancy, Payment, PaymentOperation, Reason, Refund, RefundState
+from refundops.models import (
+    GatewayAttempt,
+    LedgerDiscrepancy,
+    Payment,
+    PaymentOperation,
+    Reason,
+    Refund,
+    RefundState,
+)
+from refundops.services import attempts
 
 log = logging.getLogger(__name__)
 ACTOR = "system:reconciler"
@@ -109,15 +118,17 @@ def open_discrepancy_on(payment_field: str = "pk") -> Exists:
 # -- comparing the books ---------------------------------------------------------------------------
 @dataclass
 class PaymentCheck:
-    """One payment's comparison: ``agree``, ``disagree`` (differences raised) or ``unreachable``
-    (its gateway could not be read: nothing was decided about it)."""
+    """One payment's comparison: ``agree``, ``disagree`` (differences raised), ``unverifiable``
+    (no difference found, but the gateway's book cannot list every refund: ``why`` says what could
+    not be checked) or ``unreachable`` (its gateway could not be read: nothing was decided)."""
 
     payment_id: str
     gateway: str
-    outcome: Literal["agree", "disagree", "unreachable"] = "agree"
+    outcome: Literal["agree", "disagree", "unverifiable", "unreachable"] = "agree"
     discrepancies: list[LedgerDiscrepancy] = field(default_factory=list)
     recorded: list[str] = field(default_factory=list)  # refunds made on the gateway directly, now ours
     error: str = ""
+    why: str = ""  # for an unverifiable check: what the book could not show
 
 
 @dataclass
@@ -132,6 +143,10 @@ class ReconcileRun:
     @property
     def unreachable(self) -> list[PaymentCheck]:
         return [c for c in self.checks if c.outcome == "unreachable"]
+
+    @property
+    def unverifiable(self) -> list[PaymentCheck]:
+        return [c for c in self.checks if c.outcome == "unverifiable"]
 
 
 def reconcile(*, gateway: str | None = None, since: datetime | None = None,
@@ -249,6 +264,14 @@ def _compare(payment: Payment, book: PaymentBook | None, *, read_at: datetime) -
             raise_(Kind.AMOUNT_MISMATCH, theirs.processor_refund_id, refund=mine, ours=ours_side, theirs=gateway_side,
                    detail=f"{payment.processor} refunded {theirs.amount} for {mine.pk}; our ledger says {mine.money}.")
             continue
+        if mine.status == RefundState.SUBMITTED and theirs.status != "pending" and settled_long_enough(mine):
+            # The gateway's final word, which its webhook and the sync have not brought: recorded
+            # as they would have (the sync comes round to every refund, but this one is in hand).
+            from refundops.services.payouts import record_gateway_result  # imports this module
+
+            record_gateway_result(refund_id=mine.pk, result=theirs.result, payment_id=payment.pk)
+            mine.refresh_from_db(fields=["status", "updated_at"])
+            continue
         if mine.status in (RefundState.APPROVED, RefundState.SUBMITTED):
             in_flight = mine.status == RefundState.SUBMITTED or not settled_long_enough(mine)
             if in_flight or theirs.status not in MONEY_MOVED:
@@ -268,6 +291,8 @@ def _compare(payment: Payment, book: PaymentBook | None, *, read_at: datetime) -
                           f"{theirs.amount} for {mine.pk}, which is {mine.status} here: our ledger counts "
                           f"that money as still refundable.")
 
+    overdue_before = read_at - timedelta(seconds=settings.REFUND_SETTLEMENT_SECONDS.get(payment.processor, 86400))
+    statuses = {g.processor_refund_id: g.status for g in book.refunds}
     for mine in refunds:
         at_gateway = mine.status in (RefundState.SUBMITTED, RefundState.SETTLED) and mine.processor_refund_id
         if at_gateway and mine.processor_refund_id not in listed and settled_long_enough(mine):
@@ -275,9 +300,42 @@ def _compare(payment: Payment, book: PaymentBook | None, *, read_at: datetime) -
                    theirs={"refund": None},
                    detail=f"{mine.pk} is {mine.status} here as {payment.processor} refund "
                           f"{mine.processor_refund_id}, which {payment.processor} does not have.")
+        elif mine.status == RefundState.SUBMITTED and mine.submitted_at and mine.submitted_at < overdue_before:
+            raise_(Kind.SUBMITTED_OVERDUE, mine.processor_refund_id, refund=mine, ours=_ours(mine),
+                   theirs={"processor_refund_id": mine.processor_refund_id,
+                           "status": statuses.get(mine.processor_refund_id)},
+                   detail=f"{mine.pk} was submitted to {payment.processor} on {mine.submitted_at:%Y-%m-%d %H:%M} "
+                          f"UTC and is still {statuses.get(mine.processor_refund_id, 'unseen')} there, past "
+                          f"the time {payment.processor} takes to settle a refund: ask {payment.processor} "
+                          f"why, and whether the customer got {mine.money}.")
+    if not book.complete:
+        for mine in _maybe_at_gateway_unseen(payment, listed, started_before=settled_before):
+            key = attempts.idempotency_key(mine)
+            raise_(Kind.UNVERIFIABLE, key, refund=mine, ours={**_ours(mine), "idempotency_key": key},
+                   theirs={"book": "incomplete", "listed": sorted(listed)},
+                   detail=f"{mine.pk} ({mine.money}, {mine.status} here) may have been paid by {payment.processor}: "
+                          f"a call's answer is unknown, and {payment.processor} cannot list the refunds of "
+                          f"{payment.processor_reference} to show it. Look it up on the gateway's dashboard "
+                          f"(request id {key}).")
     if check.discrepancies:
         check.outcome = "disagree"
+    elif not book.complete:
+        check.outcome = "unverifiable"
+        check.why = (f"{payment.processor} cannot list the refunds of {payment.processor_reference} (a capture "
+                     f"without an order): only refunds we know of were looked up by id, so a refund made "
+                     f"elsewhere would not show.")
     return check
+
+
+def _maybe_at_gateway_unseen(payment: Payment, listed: set[str], *, started_before: datetime) -> list[Refund]:
+    """Our refunds of the payment with a gateway call whose answer is unknown (since before
+    ``started_before``: younger ones are the worker's to look up), whose gateway refund is not in
+    the book: a book that cannot list every refund cannot say whether it paid them."""
+    unknown = GatewayAttempt.objects.filter(
+        refund_id=OuterRef("pk"), started_at__lt=started_before,
+        outcome__in=(GatewayAttempt.Outcome.LIVE, GatewayAttempt.Outcome.UNKNOWN))
+    return [r for r in payment.refunds.filter(Exists(unknown)).order_by("created_at", "pk")
+            if not r.processor_refund_id or r.processor_refund_id not in listed]
 
 
 def _theirs(refund: GatewayRefund) -> dict[str, Any]:

@@ -39,8 +39,8 @@ class Command(BaseCommand):
             if as_json:
                 return
             line = f"{check.payment_id} ({check.gateway}): {check.outcome}"
-            if check.error:
-                line += f" ({check.error})"
+            if check.error or check.why:
+                line += f" ({check.error or check.why})"
             self.stdout.write(line)
             for found in check.discrepancies:
                 self.stdout.write(f"  {found.pk} {found.kind}: {found.detail}")
@@ -55,10 +55,15 @@ class Command(BaseCommand):
                 "discrepancies": [discrepancy_json(d, seen_since=run.started_at) for d in still_open],
                 "unreachable": [{"payment_id": c.payment_id, "gateway": c.gateway, "error": c.error}
                                 for c in run.unreachable],
+                # compared, nothing found, but the gateway's book cannot list every refund
+                "unverifiable": [{"payment_id": c.payment_id, "gateway": c.gateway, "why": c.why}
+                                 for c in run.unverifiable],
                 "recorded": [refund_id for c in run.checks for refund_id in c.recorded],
             }, indent=2))
         else:
-            self.stdout.write(f"{run.checked} payments compared, {len(run.unreachable)} unreachable, "
+            unverifiable = (f" ({len(run.unverifiable)} of them unverifiable: their gateway cannot list every "
+                            f"refund)" if run.unverifiable else "")
+            self.stdout.write(f"{run.checked} payments compared{unverifiable}, {len(run.unreachable)} unreachable, "
                               f"{len(still_open)} discrepancies open.")
         if still_open:
             raise CommandError(f"{len(still_open)} ledger discrepancies are open: resolve them in the admin "
