@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from approvals.models import ApprovalAuthority
 from audit.services import record_audit
 from proposals.models import Proposal
-from refundops.locks import lock_currency
+from refundops.locks import advisory_key, lock_currency
 from refundops.models import Agent, HoldRules, Merchant, MerchantEndpoint, PaymentLinkTemplate, RefundLimits
 from refundops.services import agents
 
@@ -295,6 +295,17 @@ def _decided(proposal: Proposal, *, person, status: str, note: str) -> dict[str,
             "decided_by": person.get_username(), "decided_at": proposal.decided_at.isoformat()}
 
 
+def _lock_subject(proposal: Proposal) -> None:
+    """Approvals of one control wait for each other, so each reads the control, to check it is not
+    stale, after the one before it committed: else two approved at once both pass the check and the
+    second writes over the first's change unseen (or takes the same version: a 500). A key per
+    control and subject, as the row may not exist yet. SQLite lets one writer in at a time."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)",
+                           [advisory_key("proposal", proposal.kind, proposal.subject_id)])
+
+
 def approve_proposal(*, proposal_id: str, approver, note: str = "") -> Proposal:
     """Put a pending proposal in effect: only the fields in its diff, and only while each still has
     the value its proposer saw. One whose fields moved since is refused as stale (PROPOSAL_STALE):
@@ -304,6 +315,7 @@ def approve_proposal(*, proposal_id: str, approver, note: str = "") -> Proposal:
         conflict = control.conflict(proposal, approver)
         if conflict:
             raise ProposalError("PROPOSAL_OWN", f"{approver.get_username()} may not approve this: {conflict}.")
+        _lock_subject(proposal)
         now = control.current(proposal.subject_id)
         moved = {k: [before, _json(now.get(k))] for k, (before, _) in proposal.diff.items()
                  if _json(now.get(k)) != before}
