@@ -46,6 +46,9 @@ class Control:
     validate: Callable[[str, dict[str, Any]], None] = lambda subject_id, values: None
     # Beyond the right itself: who may not approve this one (e.g. their own authority).
     conflict: Callable[[Proposal, Any], str] = lambda proposal, approver: ""
+    # Where a control is also written outside proposals (one person revokes a capability at once):
+    # lock what those writers lock before reading the control, so the stale check sees their change.
+    lock: Callable[[str], Any] = lambda subject_id: None
 
 
 def _values(instance, fields) -> dict[str, Any]:
@@ -226,6 +229,7 @@ CAPABILITIES = Control(
     permission="refundops.change_agent", fields=("capabilities",),
     current=lambda pk: {"capabilities": a.capabilities} if (a := Agent.objects.filter(pk=pk).first()) else {},
     apply=_apply_capabilities, validate=_validate_capabilities,
+    lock=lambda pk: Agent.objects.select_for_update().filter(pk=pk).first(),
     summary=lambda pk, values: f"capabilities of agent {Agent.objects.filter(pk=pk).values_list('name', flat=True).first() or pk}")
 
 
@@ -316,6 +320,7 @@ def approve_proposal(*, proposal_id: str, approver, note: str = "") -> Proposal:
         if conflict:
             raise ProposalError("PROPOSAL_OWN", f"{approver.get_username()} may not approve this: {conflict}.")
         _lock_subject(proposal)
+        control.lock(proposal.subject_id)
         now = control.current(proposal.subject_id)
         moved = {k: [before, _json(now.get(k))] for k, (before, _) in proposal.diff.items()
                  if _json(now.get(k)) != before}

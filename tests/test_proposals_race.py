@@ -16,7 +16,7 @@ from approvals.models import ApprovalAuthority
 from audit.models import AuditEntry
 from proposals.models import Proposal
 from proposals.services import ProposalError, approve_proposal, propose_change
-from refundops.models import HoldRules, RefundLimits
+from refundops.models import Agent, HoldRules, RefundLimits
 from tests.conftest import make_limits, make_rules, race, wait_until_another_connection_waits_for_a_lock
 
 K = Proposal.Kind
@@ -107,3 +107,33 @@ def test_two_proposals_of_different_fields_approved_at_once_both_apply():
     assert approve_both_at_once(first, second, admin2, admin3) == "approved"
     latest = HoldRules.objects.order_by("-version").first()
     assert (latest.version, latest.contact_change_days, latest.hold_flagged) == (3, 14, False)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_capability_grant_approved_while_a_revoke_commits_is_stale_and_the_revoke_stays():
+    """A revoke is one person's act at once (the agent's row lock); a grant approved meanwhile read
+    the list before the revoke committed: it must see the revoke, as in the sequential case."""
+    from refundops.services import agents
+
+    agent = Agent.objects.create(name="bot", capabilities=["payments.read", "refunds.create"])
+    op1, op2, op3 = (person(f"op{n}", "operator") for n in range(1, 4))
+    grant = propose_change(kind=K.AGENT_CAPABILITIES, subject_id=agent.pk, proposer=op1,
+                           changes={"capabilities": ["payments.read", "refunds.create", "payments.capture"]})
+    revoking = threading.Event()
+
+    def work(i: int):
+        if i == 0:
+            with transaction.atomic():
+                agents.revoke_capability(agent_id=agent.pk, capability="refunds.create", actor=op3)
+                revoking.set()
+                wait_until_another_connection_waits_for_a_lock()
+            return None
+        revoking.wait(10)
+        try:
+            approve_proposal(proposal_id=grant.pk, approver=op2)
+        except ProposalError as refused:
+            return refused.code
+        return "approved"
+
+    assert race(2, work)[1] == "PROPOSAL_STALE"
+    assert Agent.objects.get(pk=agent.pk).capabilities == ["payments.read"]
