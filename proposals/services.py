@@ -244,6 +244,14 @@ def _json(value: Any) -> Any:
     return value if value is None or isinstance(value, (str, int, float, bool, list, dict)) else str(value)
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal as the control reads them: every list in a control is a set (capabilities, reasons,
+    event types), so the same members in another order are no change, and no move."""
+    if isinstance(a, list) and isinstance(b, list):
+        return sorted(map(repr, a)) == sorted(map(repr, b))
+    return a == b
+
+
 def _require_right(control: Control, user, verb: str) -> None:
     if not user.has_perm(control.permission):
         raise ProposalError("PROPOSAL_NOT_AUTHORIZED", f"{user.get_username()} may not {verb} this kind of change.")
@@ -260,7 +268,7 @@ def propose_change(*, kind: str, subject_id: str = "", changes: dict[str, Any], 
     asked = {k: _json(v) for k, v in changes.items()}
     # Only what differs from the control now: a form posts every field, and carrying the others
     # would write them back over a change approved in between (issue 28).
-    diff = {k: [_json(before.get(k)), v] for k, v in asked.items() if _json(before.get(k)) != v}
+    diff = {k: [_json(before.get(k)), v] for k, v in asked.items() if not _same(_json(before.get(k)), v)}
     if not diff:
         raise ProposalError("NOTHING_TO_CHANGE", "That is how it is already.")
     changes = {k: after for k, (_, after) in diff.items()}
@@ -323,7 +331,7 @@ def approve_proposal(*, proposal_id: str, approver, note: str = "") -> Proposal:
         control.lock(proposal.subject_id)
         now = control.current(proposal.subject_id)
         moved = {k: [before, _json(now.get(k))] for k, (before, _) in proposal.diff.items()
-                 if _json(now.get(k)) != before}
+                 if not _same(_json(now.get(k)), before)}
         if not moved:
             proposal.result_id = control.apply(proposal, approver)
             data = _decided(proposal, person=approver, status=Proposal.Status.APPROVED, note=note)

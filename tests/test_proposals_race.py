@@ -137,3 +137,29 @@ def test_a_capability_grant_approved_while_a_revoke_commits_is_stale_and_the_rev
 
     assert race(2, work)[1] == "PROPOSAL_STALE"
     assert Agent.objects.get(pk=agent.pk).capabilities == ["payments.read"]
+
+
+@pytest.mark.django_db
+def test_a_set_posted_in_another_order_is_nothing_to_change_and_no_older_proposal_goes_stale_by_it():
+    """Capabilities, allowed reasons and event types are sets kept as lists: the same members in
+    another order (a form's, an API client's) are no change, and an order written since is no move."""
+    make_limits(allowed_reasons=["customer_request", "duplicate"])
+    op1, op2 = person("op1", "operator"), person("op2", "operator")
+    fin1 = person("fin1", "finance approver")
+    agent = Agent.objects.create(name="bot", capabilities=["payments.read", "refunds.create"])
+
+    with pytest.raises(ProposalError) as same:
+        propose_change(kind=K.AGENT_CAPABILITIES, subject_id=agent.pk, proposer=op1,
+                       changes={"capabilities": ["refunds.create", "payments.read"]})
+    assert same.value.code == "NOTHING_TO_CHANGE"
+    with pytest.raises(ProposalError) as same:
+        propose_change(kind=K.REFUND_LIMITS, subject_id="USD", proposer=fin1,
+                       changes={"allowed_reasons": ["duplicate", "customer_request"]})
+    assert same.value.code == "NOTHING_TO_CHANGE"
+
+    grant = propose_change(kind=K.AGENT_CAPABILITIES, subject_id=agent.pk, proposer=op1,
+                           changes={"capabilities": ["payments.read", "refunds.create", "payments.capture"]})
+    Agent.objects.filter(pk=agent.pk).update(capabilities=["refunds.create", "payments.read"])  # reordered only
+    approve_proposal(proposal_id=grant.pk, approver=op2)
+    assert set(Agent.objects.get(pk=agent.pk).capabilities) == {"payments.read", "refunds.create",
+                                                                "payments.capture"}
