@@ -163,3 +163,44 @@ def test_a_set_posted_in_another_order_is_nothing_to_change_and_no_older_proposa
     approve_proposal(proposal_id=grant.pk, approver=op2)
     assert set(Agent.objects.get(pk=agent.pk).capabilities) == {"payments.read", "refunds.create",
                                                                 "payments.capture"}
+
+
+@pytest.mark.django_db
+def test_a_crash_between_applying_and_auditing_leaves_the_control_and_the_proposal_as_they_were(monkeypatch):
+    """Applying, deciding and auditing an approval are one transaction: a crash in the audit undoes
+    the change."""
+    import proposals.services as services
+
+    admin1, admin2 = person("admin1", "administrator"), person("admin2", "administrator")
+    approver = person("approver", "finance approver")
+    ApprovalAuthority.objects.create(user=approver, currency="USD", max_amount_minor=100_000)
+    proposal = propose_change(kind=K.APPROVAL_AUTHORITY, subject_id=f"{approver.pk}:USD", proposer=admin1,
+                              changes={"max_amount_minor": 500_000})
+
+    def crash(**kwargs):
+        raise RuntimeError("the audit chain is down")
+
+    monkeypatch.setattr(services, "record_audit", crash)
+    with pytest.raises(RuntimeError):
+        approve_proposal(proposal_id=proposal.pk, approver=admin2)
+    assert ApprovalAuthority.objects.get(user=approver).max_amount_minor == 100_000
+    proposal.refresh_from_db()
+    assert (proposal.status, proposal.decided_by_id, proposal.result_id) == (Proposal.Status.PENDING, None, "")
+
+
+@pytest.mark.django_db
+def test_a_field_moved_and_moved_back_is_not_stale_the_approver_sees_what_is_in_force():
+    """A -> B -> A: an older proposal A -> C reads the control as its proposer saw it, so its diff
+    still says what approving it does; it applies (the last approved change of the field is C)."""
+    admin1, admin2, admin3 = (person(f"admin{n}", "administrator") for n in range(1, 4))
+    approver = person("approver", "finance approver")
+    ApprovalAuthority.objects.create(user=approver, currency="USD", max_amount_minor=100_000)
+    subject = f"{approver.pk}:USD"
+    older = propose_change(kind=K.APPROVAL_AUTHORITY, subject_id=subject, proposer=admin1,
+                           changes={"max_amount_minor": 150_000})
+    for amount in (0, 100_000):
+        moved = propose_change(kind=K.APPROVAL_AUTHORITY, subject_id=subject, proposer=admin3,
+                               changes={"max_amount_minor": amount})
+        approve_proposal(proposal_id=moved.pk, approver=admin2)
+    approve_proposal(proposal_id=older.pk, approver=admin2)
+    assert ApprovalAuthority.objects.get(user=approver).max_amount_minor == 150_000
