@@ -19,12 +19,12 @@ import functools
 import json
 import logging
 import random
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F, Subquery
+from django.db.models import F, Q, Subquery
 from django.utils import timezone
 
 from audit.ids import new_id
@@ -129,7 +129,10 @@ def deliver_overdue(*, older_than_seconds: float | None = None, limit: int = 500
                                                  longest)
         WebhookDelivery.objects.bulk_update(due, ["next_attempt_at"])
         ids = [delivery.pk for delivery in due]
-        outbox.send_each_after_commit(DELIVER_TASK, [{"delivery_id": delivery_id} for delivery_id in ids])
+        # Each copy carries the turn it was given: it may claim it at once, an older copy may not.
+        outbox.send_each_after_commit(DELIVER_TASK, [{"delivery_id": delivery.pk,
+                                                      "turn": delivery.next_attempt_at.isoformat()}
+                                                     for delivery in due])
     if ids:
         log.warning("webhooks: %s deliveries were overdue (their task was lost); sent again", len(ids))
     return len(ids)
@@ -146,12 +149,24 @@ def backoff_seconds(attempts: int) -> float:
     return random.uniform(ceiling / 2, ceiling)
 
 
-def attempt_delivery(*, delivery_id: str) -> WebhookDelivery:
-    """POST one pending delivery once and record the answer. No lock is held over the call; the
-    endpoint may see an event twice (its id is the same) and is told so by the id."""
+def attempt_delivery(*, delivery_id: str, turn: datetime | None = None) -> WebhookDelivery | None:
+    """POST one pending delivery once and record the answer; ``None`` when it is not this copy's turn.
+
+    A delivery's message can be handed out more than once (a worker killed, the broker's visibility
+    timeout under a backlog, the overdue sweep's copy), so each copy first claims the delivery's
+    turn in one statement: the delivery is due (or the sweep gave this copy ``turn``, the time it
+    moved the delivery to), and the claim moves it a call's length ahead. A copy that finds the turn
+    taken or not yet come sends nothing: one POST a turn, however many copies. No lock is held over
+    the call; the endpoint may still see an event twice (a call that timed out) and is told so by its id."""
+    now = timezone.now()
+    due = Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lte=now)
+    if turn is not None:
+        due |= Q(next_attempt_at=turn)
+    lease = timedelta(seconds=2 * _setting("WEBHOOK_TIMEOUT_SECONDS"))  # a copy that died mid-call: due again
+    if not WebhookDelivery.objects.filter(due, pk=delivery_id, status=WebhookDelivery.Status.PENDING).update(
+            next_attempt_at=now + lease):
+        return None
     delivery = WebhookDelivery.objects.select_related("endpoint").get(pk=delivery_id)
-    if delivery.status != WebhookDelivery.Status.PENDING:
-        return delivery
     body = body_bytes(delivery.payload)
     # Only the status and the answer's size are kept: the body is the merchant's (or, for a URL
     # that points somewhere it should not, someone else's) and is never stored or shown.

@@ -128,10 +128,14 @@ def resubmit_stalled_refunds(*, older_than_seconds: int | None = None, limit: in
 
 
 @shared_task(bind=True, max_retries=None, acks_late=True)
-def deliver_webhook(self, *, delivery_id: str) -> str:
+def deliver_webhook(self, *, delivery_id: str, turn: str | None = None) -> str:
     """One attempt to POST one event to a merchant; retried with backoff until it lands or
-    ``WEBHOOK_MAX_ATTEMPTS`` is reached (then it stays in the log for a manual redeliver)."""
-    delivery = outbound.attempt_delivery(delivery_id=delivery_id)
+    ``WEBHOOK_MAX_ATTEMPTS`` is reached (then it stays in the log for a manual redeliver). A copy
+    whose turn it is not ends here: the copy that had the turn schedules the next one."""
+    delivery = outbound.attempt_delivery(delivery_id=delivery_id,
+                                         turn=datetime.fromisoformat(turn) if turn else None)
+    if delivery is None:
+        return "not this copy's turn"
     if delivery.status == delivery.Status.PENDING and delivery.next_attempt_at is not None:
         countdown = max(0.0, (delivery.next_attempt_at - timezone.now()).total_seconds())
         raise self.retry(countdown=countdown)

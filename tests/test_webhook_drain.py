@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from unittest import mock
 
@@ -19,6 +20,7 @@ from django.utils import timezone
 
 from refundops import merchant_http, outbound
 from refundops.models import MerchantEndpoint, WebhookDelivery
+from tests.conftest import race
 
 pytestmark = pytest.mark.django_db
 
@@ -30,6 +32,9 @@ class KeepAliveMerchant(ThreadingHTTPServer):
 
     def __init__(self) -> None:
         self.connections = 0
+        self.posts = 0
+        self.statuses: list[int] = []  # answered in turn, then 200
+        self.delay = 0.0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -41,7 +46,9 @@ class KeepAliveMerchant(ThreadingHTTPServer):
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                self.send_response(200)
+                server.posts += 1
+                time.sleep(server.delay)
+                self.send_response(server.statuses.pop(0) if server.statuses else 200)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
                 self.wfile.write(b"ok")
@@ -118,3 +125,55 @@ def test_a_delivery_merely_queued_behind_a_backlog_is_not_sent_again_on_every_sw
             resent.append(outbound.deliver_overdue())
 
     assert 1 <= sum(resent) <= 5, resent
+
+
+# -- copies of one delivery's message: one POST a turn ----------------------------------------------
+
+def merchant_endpoint(merchant) -> MerchantEndpoint:
+    return MerchantEndpoint.objects.create(url=f"http://127.0.0.1:{merchant.server_address[1]}/hooks")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_copies_of_one_delivery_handed_out_at_once_post_it_once(merchant):
+    """A message the broker hands out again while the first copy still runs (its visibility timeout
+    passed in a backlog, or a worker restarted): both copies ran the POST."""
+    merchant.delay = 0.3
+    delivery = pending_delivery(merchant_endpoint(merchant), 1)
+
+    answers = race(2, lambda i: outbound.attempt_delivery(delivery_id=delivery.pk))
+
+    assert merchant.posts == 1
+    assert sorted(a is None for a in answers) == [False, True]
+    delivery.refresh_from_db()
+    assert (delivery.status, delivery.attempts) == (WebhookDelivery.Status.DELIVERED, 1)
+
+
+def test_a_copy_that_comes_after_a_failed_attempt_waits_for_the_backoff(merchant):
+    merchant.statuses = [500]
+    delivery = pending_delivery(merchant_endpoint(merchant), 1)
+
+    first = outbound.attempt_delivery(delivery_id=delivery.pk)
+    second = outbound.attempt_delivery(delivery_id=delivery.pk)  # a copy of the same message
+
+    assert first.status == WebhookDelivery.Status.PENDING and first.next_attempt_at > timezone.now()
+    assert second is None and merchant.posts == 1
+    with time_machine.travel(first.next_attempt_at, tick=False):  # its turn comes: the retry posts
+        assert outbound.attempt_delivery(delivery_id=delivery.pk).status == WebhookDelivery.Status.DELIVERED
+    assert merchant.posts == 2
+
+
+def test_the_sweeps_copy_takes_the_turn_it_was_given_and_an_older_copy_does_not(merchant, settings):
+    settings.WEBHOOK_OVERDUE_SECONDS = 4
+    endpoint = merchant_endpoint(merchant)
+    start = timezone.now()
+    delivery = WebhookDelivery.objects.create(endpoint=endpoint, event_id="evt_1", event_type="refund.settled",
+                                              payload={"id": "evt_1"}, next_attempt_at=start)
+    with time_machine.travel(start + timezone.timedelta(seconds=10), tick=False):
+        with mock.patch.object(outbound.outbox, "send_each_after_commit") as sent:
+            assert outbound.deliver_overdue() == 1
+        [[task, [copy]], _] = sent.call_args
+        assert copy["delivery_id"] == delivery.pk
+        assert outbound.attempt_delivery(delivery_id=delivery.pk) is None  # the lost task's own copy, late
+        turn = timezone.datetime.fromisoformat(copy["turn"])
+        assert outbound.attempt_delivery(delivery_id=delivery.pk, turn=turn).status == WebhookDelivery.Status.DELIVERED
+    assert merchant.posts == 1
