@@ -1,0 +1,118 @@
+"""The operator's first hour: what stops a start says in one line what happened and what to set;
+Django's standard `gunicorn refundops.wsgi:application` serves; development installs what the image
+installs. (Issue 29, finding 3.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = str(ROOT / ".venv" / "bin" / "python")
+
+
+def environment(**extra: str) -> dict[str, str]:
+    """This process's environment without what the suite sets for its own database and broker."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DATABASE_", "REDIS_", "CELERY_", "REFUNDOPS_", "DJANGO_"))}
+    env.update(extra)
+    return env
+
+
+def production_without_secrets() -> dict[str, str]:
+    return environment(REFUNDOPS_ENV="production", REFUNDOPS_VAR_DIR="/tmp")
+
+
+@pytest.mark.parametrize("command", [
+    [PYTHON, "manage.py", "migrate", "--noinput"],
+    [PYTHON, "-c", "import refundops.wsgi"],
+    [PYTHON, "-c", "import refundops.asgi"],
+], ids=["manage.py", "wsgi", "asgi"])
+def test_a_configuration_error_is_one_line_saying_what_to_set(command):
+    done = subprocess.run(command, cwd=ROOT, env=production_without_secrets(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr and "DJANGO_SECRET_KEY" in lines[0]
+
+
+def test_scripts_run_after_cp_env_example_says_what_happened_and_what_to_do(tmp_path):
+    """`cp .env.example .env` (the README's step for compose), then `scripts/run`: production mode
+    from .env, which scripts/run (development) cannot start in. One line names .env and the way out."""
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "run", checkout / "scripts" / "run")
+    shutil.copy(ROOT / ".env.example", checkout / ".env")
+    done = subprocess.run(["scripts/run"], cwd=checkout, env=environment(PORT="1"), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0
+    said = (done.stdout + done.stderr).strip().splitlines()
+    assert len(said) == 1 and ".env" in said[0] and "REFUNDOPS_ENV=production" in said[0], said
+    assert "mv .env" in said[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_djangos_standard_gunicorn_command_serves_from_the_repository_root():
+    """`gunicorn refundops.wsgi:application` reads ./gunicorn.conf.py; that file must not force
+    uvicorn's worker on a WSGI application (every request failed)."""
+    db = settings.DATABASES["default"]
+    port = free_port()
+    env = environment(DATABASE_URL=f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}",
+                      REDIS_URL=settings.REDIS_URL, REDIS_KEY_PREFIX=settings.REDIS_KEY_PREFIX,
+                      WEB_CONCURRENCY="1", BIND=f"127.0.0.1:{port}")
+    server = subprocess.Popen([str(ROOT / ".venv" / "bin" / "gunicorn"), "refundops.wsgi:application"], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        answers = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as answer:
+                    answers.append(answer.status)
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/login/", timeout=10) as answer:
+                    answers.append(answer.status)
+                break
+            except OSError:
+                time.sleep(0.5)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        output = server.communicate(timeout=60)[0]
+    assert answers == [200, 200], output
+
+
+def locked_versions() -> dict[str, str]:
+    pins = re.findall(r"^([A-Za-z0-9_.-]+)==([^\s\\;]+)", (ROOT / "requirements.lock").read_text(), re.M)
+    return {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in pins}
+
+
+def test_development_runs_the_versions_the_image_runs():
+    """scripts/install installs under requirements.lock (the image's pins): each locked package in
+    .venv has the locked version."""
+    assert "requirements.lock" in (ROOT / "scripts" / "install").read_text()
+    differ = {}
+    for dist in metadata.distributions():
+        name = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()
+        locked = locked_versions().get(name)
+        if locked and dist.version != locked:
+            differ[name] = (dist.version, locked)
+    assert not differ, f"installed vs locked: {differ}"
