@@ -116,3 +116,19 @@ def test_development_runs_the_versions_the_image_runs():
         if locked and dist.version != locked:
             differ[name] = (dist.version, locked)
     assert not differ, f"installed vs locked: {differ}"
+
+
+def test_the_lock_pins_every_dependency_pyproject_names_within_its_range():
+    """requirements.lock is what both install: fresh with respect to pyproject.toml (regenerate it
+    with the pip-compile command at its top when this fails)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    locked = locked_versions()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for line in project["dependencies"]:
+        requirement = Requirement(line)
+        name = re.sub(r"[-_.]+", "-", requirement.name).lower()
+        assert name in locked, f"requirements.lock lacks {requirement.name}"
+        assert requirement.specifier.contains(locked[name], prereleases=True), (line, locked[name])
