@@ -132,3 +132,36 @@ def test_the_lock_pins_every_dependency_pyproject_names_within_its_range():
         name = re.sub(r"[-_.]+", "-", requirement.name).lower()
         assert name in locked, f"requirements.lock lacks {requirement.name}"
         assert requirement.specifier.contains(locked[name], prereleases=True), (line, locked[name])
+
+
+@pytest.mark.django_db
+def test_the_first_staff_login_of_production_is_one_command_with_a_role():
+    """No demo logins in production: `manage.py create_staff USER ROLE` makes the first one, audited,
+    and says that its first sign-in enrols a TOTP second factor."""
+    from io import StringIO
+
+    from django.contrib.auth.models import User
+    from django.core.management import call_command
+
+    from audit.models import AuditEntry
+
+    out = StringIO()
+    call_command("create_staff", "alice", "administrator", "--email", "alice@example.com",
+                 stdin=StringIO("a long enough passphrase\n"), stdout=out)
+    alice = User.objects.get(username="alice")
+    assert alice.is_staff and not alice.is_superuser and alice.check_password("a long enough passphrase")
+    assert list(alice.groups.values_list("name", flat=True)) == ["Administrators"]
+    assert {"user.created", "role.granted"} <= set(AuditEntry.objects.filter(subject_id=str(alice.pk))
+                                                   .values_list("action", flat=True))
+    assert "TOTP" in out.getvalue() and "/admin/" in out.getvalue()
+    readme = (ROOT / "README.md").read_text()
+    assert "manage.py create_staff" in readme and "docker compose exec web" in readme
+
+
+def test_compose_on_plain_http_is_explained():
+    """.env.example's DJANGO_SECURE=true redirects http://localhost:8000 to https (no proxy in
+    compose): the README says so where it gives the compose command, and what to set instead."""
+    readme = (ROOT / "README.md").read_text()
+    two_commands = readme.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"^DJANGO_SECURE=true$", (ROOT / ".env.example").read_text(), re.M)
+    assert "DJANGO_SECURE=false" in two_commands and "redirects to https" in two_commands
