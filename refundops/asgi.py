@@ -13,8 +13,11 @@ from starlette.responses import PlainTextResponse
 from starlette.staticfiles import StaticFiles
 from starlette.types import Message, Receive, Scope, Send
 
+from refundops.startup import configuration_errors_in_one_line  # noqa: E402 - imports no settings
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "refundops.settings")
-django.setup(set_prefix=False)  # before anything imports models
+with configuration_errors_in_one_line():
+    django.setup(set_prefix=False)  # before anything imports models
 
 from django.conf import settings  # noqa: E402
 from refundops.asgi_handler import DjangoHandler  # noqa: E402

@@ -42,6 +42,7 @@ from celery._state import get_current_task
 from celery.utils import uuid
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
+from django.db.models import F
 from django.utils import timezone
 from psycopg.types.json import Jsonb
 
@@ -67,11 +68,14 @@ SENDER_IDLE_SECONDS = 60
 SENDER_EXIT_SECONDS = 5
 
 _TABLE = OutboxMessage._meta.db_table
+# Longest untried first (next_try_at, then id): a row that failed goes behind the rows not tried
+# since, so rows that fail on every sweep never keep the relay (``limit`` a sweep) from the others.
+_CLAIM_ORDER = ("next_try_at", "id")
 _CLAIM_SQL = f"""
 UPDATE {_TABLE} SET next_try_at = %s, tries = tries + 1
  WHERE id IN (SELECT id FROM {_TABLE}
                WHERE sent_at IS NULL AND next_try_at <= %s AND created_at <= %s {{only}}
-               ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)
+               ORDER BY {", ".join(_CLAIM_ORDER)} LIMIT %s FOR UPDATE SKIP LOCKED)
 RETURNING id, task, kwargs, queue"""
 # Sent prepared (refundops/batching.py): the sender claims and marks once a batch, and planning them
 # cost PostgreSQL more than running them (0.24 and 0.06 ms a batch against 0.13 and 0.08).
@@ -469,6 +473,8 @@ def forget_sent(*, older_than_days: float | None = None) -> int:
 def _claim(*, now, ids: Iterable[int] | None = None, written_before=None, limit: int = 1) -> list[tuple]:
     """Take unsent rows nobody holds, for ``CLAIM_SECONDS``; one statement, so it is its own
     transaction and a row is never claimed twice."""
+    if connection.vendor != "postgresql":
+        return _claim_elsewhere(now=now, ids=ids, written_before=written_before, limit=limit)
     claim, params = _CLAIM["any"], []
     if ids is not None:
         ids = list(ids)
@@ -477,6 +483,23 @@ def _claim(*, now, ids: Iterable[int] | None = None, written_before=None, limit:
         cursor.execute(claim,
                        [now + timedelta(seconds=CLAIM_SECONDS), now, written_before or now, *params, limit])
         return cursor.fetchall()
+
+
+def _claim_elsewhere(*, now, ids: Iterable[int] | None, written_before, limit: int) -> list[tuple]:
+    """:func:`_claim` through the ORM, on a database without PostgreSQL's statement (SQLite, in
+    embedded mode): the same rows, in one transaction. Django drops ``skip_locked`` where rows are
+    not locked one by one; SQLite's transactions here take its write lock first (settings:
+    ``transaction_mode`` IMMEDIATE), so two claims never interleave."""
+    unsent = OutboxMessage.objects.select_for_update(skip_locked=True).filter(
+        sent_at__isnull=True, next_try_at__lte=now, created_at__lte=written_before or now)
+    if ids is not None:
+        ids = list(ids)
+        unsent, limit = unsent.filter(pk__in=ids), len(ids)
+    with transaction.atomic():
+        rows = list(unsent.order_by(*_CLAIM_ORDER).values_list("id", "task", "kwargs", "queue")[:limit])
+        OutboxMessage.objects.filter(pk__in=[row[0] for row in rows]).update(
+            next_try_at=now + timedelta(seconds=CLAIM_SECONDS), tries=F("tries") + 1)
+    return rows
 
 
 def send_claimed(rows: list[tuple], *, retry: bool = True, request_ids: dict[int, str] | None = None,
@@ -565,7 +588,9 @@ def _record(sent: list[int], failed: list[tuple[int, str, Exception]]) -> None:
     for error, message_ids in by_error.items():  # a broker down fails a whole batch with one error
         # Free for the relay's next sweep (the sweep interval is the backoff).
         OutboxMessage.objects.filter(pk__in=message_ids).update(next_try_at=timezone.now(), last_error=error)
-    if sent:
+    if sent and connection.vendor != "postgresql":  # SQLite (embedded mode) has no ANY(array)
+        OutboxMessage.objects.filter(pk__in=sent).update(sent_at=timezone.now())
+    elif sent:
         with connection.cursor() as cursor:
             cursor.execute(_SENT_SQL, [timezone.now(), sent])
 

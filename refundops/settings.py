@@ -387,6 +387,8 @@ WEBHOOK_MAX_ATTEMPTS = env.int("WEBHOOK_MAX_ATTEMPTS", default=10)
 WEBHOOK_BACKOFF_BASE_SECONDS = env.int("WEBHOOK_BACKOFF_BASE_SECONDS", default=10)
 WEBHOOK_BACKOFF_MAX_SECONDS = env.int("WEBHOOK_BACKOFF_MAX_SECONDS", default=21600)
 WEBHOOK_TIMEOUT_SECONDS = env.int("WEBHOOK_TIMEOUT_SECONDS", default=10)
+# A pending delivery this long past its next attempt lost its task: beat sends it again.
+WEBHOOK_OVERDUE_SECONDS = env.int("WEBHOOK_OVERDUE_SECONDS", default=300)
 
 # Payment worker retries when a gateway is down: exponential backoff with jitter, capped.
 REFUND_SUBMIT_MAX_RETRIES = env.int("REFUND_SUBMIT_MAX_RETRIES", default=12)

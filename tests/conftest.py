@@ -66,6 +66,9 @@ SLOW_TESTS = {
     "test_mcp_http.py::test_manage_py_mcp_refuses_to_start_without_a_live_key",
     "test_mcp_http.py::test_manage_py_mcp_serves_the_tools_of_its_key_over_stdio",
     "test_dst_windows.py::test_every_window_sums_what_the_refunds_instants_say_across_both_transitions",
+    "test_operator_traps.py::test_djangos_standard_gunicorn_command_serves_from_the_repository_root",
+    "test_operator_traps.py::test_a_configuration_error_is_one_line_saying_what_to_set",
+    "test_readme_and_docs.py::test_the_postgresql_command_creates_its_database",
 }
 
 

@@ -139,6 +139,26 @@ def test_one_effect_the_broker_refuses_never_keeps_the_others_from_going(api, po
     assert queued("default") == [{"task": "refundops.tasks.poll_refund", "kwargs": {"refund_id": refund_id}}]
 
 
+def test_rows_that_keep_failing_never_keep_the_relay_from_the_rows_behind_them():
+    """The relay takes at most ``limit`` rows a sweep: rows it tried and failed go behind the ones
+    it has not tried, so three old rows that fail every time (a task this process lacks) cannot
+    hold back a fourth for ever. (Issue 27, finding 3: the outbox relay.)"""
+    hour_ago = timezone.now() - timedelta(hours=1)
+    failing = OutboxMessage.objects.bulk_create([
+        OutboxMessage(task="refundops.tasks.no_such_task", kwargs={"n": i}, queue="default",
+                      created_at=hour_ago, next_try_at=hour_ago) for i in range(3)])
+    (behind,) = OutboxMessage.objects.bulk_create([OutboxMessage(
+        task="refundops.tasks.poll_refund", kwargs={"refund_id": "behind"}, queue="default",
+        created_at=hour_ago + timedelta(minutes=1), next_try_at=hour_ago + timedelta(minutes=1))])
+    with broker_at(django_settings.REDIS_URL):
+        assert outbox.relay_unsent(older_than_seconds=0, limit=3) == 0  # the three oldest, each refused
+        assert outbox.relay_unsent(older_than_seconds=0, limit=3) == 1  # then the one behind them
+    assert OutboxMessage.objects.get(pk=behind.pk).sent_at is not None
+    assert queued("default") == [{"task": "refundops.tasks.poll_refund", "kwargs": {"refund_id": "behind"}}]
+    for message in OutboxMessage.objects.filter(pk__in=[m.pk for m in failing]):
+        assert message.sent_at is None and message.tries >= 1 and message.last_error  # kept, for the next sweeps
+
+
 def test_the_nudge_and_two_relays_racing_send_each_row_once(settings):
     settings.OUTBOX_GRACE_SECONDS = 0  # the relays take a row the moment it is committed
     n = 80

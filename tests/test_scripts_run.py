@@ -14,17 +14,21 @@ import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 from django.conf import settings
+from django.contrib.admin.utils import unquote as admin_unquote
 
 from refundops.models import Refund, RefundState
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER_END = "Ctrl-C stops."
+# The sandbox settles a refund 5 s after it is sent (demo_data), the worker looks 6 s after sending.
+SETTLES_WITHIN = 10
 
 
 def free_port() -> int:
@@ -46,7 +50,7 @@ class Run:
                        if k not in ("DATABASE_URL", "REDIS_URL", "REDIS_KEY_PREFIX", "DATABASE_POOL",
                                     "CELERY_TASK_ALWAYS_EAGER")}
         environment.update(REFUNDOPS_VAR_DIR=str(var), PORT=str(port), **env)
-        self.port = port
+        self.port, self.var = port, var
         self.process = subprocess.Popen(["scripts/run"], cwd=ROOT, env=environment, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.output = ""
@@ -68,6 +72,12 @@ class Run:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
 
+    def logs(self) -> str:
+        """The end of the web's and the worker's logs, for a failure's message."""
+        var = Path(self.var)
+        return "\n".join(f"--- {name}\n" + "\n".join((var / name).read_text().splitlines()[-30:])
+                         for name in ("web.log", "worker.log") if (var / name).exists())
+
     def key(self) -> str:
         return re.search(r"Agent key\s+(rk_\S+)", self.output).group(1)
 
@@ -83,7 +93,8 @@ class Run:
         except urllib.error.HTTPError as error:
             return error.code, json.loads(error.read())
 
-    def admin_login_works(self, username: str, password: str) -> bool:
+    def sign_in(self, username: str, password: str):
+        """(a urllib opener holding the admin session, the page the sign-in landed on)."""
         import http.cookiejar
         jar = http.cookiejar.CookieJar()
         opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
@@ -93,7 +104,34 @@ class Run:
         data = f"csrfmiddlewaretoken={token}&username={username}&password={password}&next=/admin/".encode()
         answer = opener.open(urllib.request.Request(f"{base}/admin/login/?next=/admin/", data=data,
                                                     headers={"Referer": f"{base}/admin/login/"}), timeout=30)
+        return opener, answer
+
+    def admin_login_works(self, username: str, password: str) -> bool:
+        _, answer = self.sign_in(username, password)
         return answer.geturl().rstrip("/").endswith("/admin") and "Log out" in answer.read().decode()
+
+    def approve_first_held_refund(self, username: str, password: str) -> str:
+        """As an approver does: the held queue's first Approve button. Returns the refund's id."""
+        opener, _ = self.sign_in(username, password)
+        base = f"http://127.0.0.1:{self.port}"
+        page = opener.open(f"{base}/admin/refundops/refund/held/", timeout=30).read().decode()
+        action = re.search(r'<form method="post" action="(/admin/refundops/refund/([^/"]+)/approve/)">', page)
+        assert action, page
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page).group(1)
+        data = urllib.parse.urlencode({"csrfmiddlewaretoken": token, "note": "checked the order"}).encode()
+        opener.open(urllib.request.Request(base + action.group(1), data=data,
+                                           headers={"Referer": f"{base}/admin/refundops/refund/held/"}), timeout=30)
+        return admin_unquote(action.group(2))  # the admin's quoting: _5F is _
+
+    def status_within(self, refund_id: str, seconds: float, wanted: str) -> str:
+        """The refund's status once it is ``wanted``, or the last one seen ``seconds`` after asking."""
+        deadline = time.monotonic() + seconds
+        while True:
+            status, body = self.api("GET", f"refunds/{refund_id}")
+            assert status == 200, body
+            if body["refund"]["status"] == wanted or time.monotonic() > deadline:
+                return body["refund"]["status"]
+            time.sleep(0.25)
 
 
 def check_the_banner_tells_the_truth(run: Run) -> None:
@@ -104,6 +142,8 @@ def check_the_banner_tells_the_truth(run: Run) -> None:
     assert status == 200, body  # the key printed works on this database, and the example payment is in it
     status, body = run.api("POST", "refunds", {"transaction_id": fresh, "amount": 100, "reason": "customer_request"})
     assert status in (200, 201) and body["verdict"]["outcome"] == "approved", body  # the example refund goes through
+    # ... and reaches the sandbox and settles, sent on its commit (not by a sweep minutes later).
+    assert run.status_within(body["refund"]["id"], SETTLES_WITHIN, "settled") == "settled", run.logs()
     login = re.search(r"login (\S+)\s+password (\S+)", output)
     assert run.admin_login_works(login.group(1), login.group(2)), output
     # The admin's styles, served by refundops.asgi itself (no WhiteNoise in the chain under uvicorn).
@@ -113,11 +153,20 @@ def check_the_banner_tells_the_truth(run: Run) -> None:
     assert "uuidgen" not in output  # absent on Debian slim
 
 
+def check_a_held_refund_approved_in_the_admin_settles(run: Run) -> None:
+    refund_id = run.approve_first_held_refund("approver", "refundops-demo")
+    assert run.status_within(refund_id, SETTLES_WITHIN, "settled") == "settled", run.logs()
+
+
 @pytest.mark.django_db(transaction=True)
-def test_embedded_then_postgresql_each_gets_a_banner_its_database_accepts(tmp_path):
+def test_embedded_then_postgresql_each_gets_a_banner_its_database_accepts_and_refunds_settle(tmp_path):
+    """In both modes the README's refund, and a held one approved in the admin, settle at the
+    sandbox within seconds. (Issue 29, finding 1: embedded mode's outbox claim failed on SQLite.)"""
     run = Run(tmp_path, free_port())
     try:
         check_the_banner_tells_the_truth(run)
+        check_a_held_refund_approved_in_the_admin_settles(run)
+        assert "Traceback" not in (tmp_path / "worker.log").read_text()  # beat's relay runs clean
     finally:
         run.stop()
     assert not list(tmp_path.glob("*.tmp"))
@@ -129,6 +178,7 @@ def test_embedded_then_postgresql_each_gets_a_banner_its_database_accepts(tmp_pa
         check_the_banner_tells_the_truth(run)
         # An approver's first look at the queue shows the job.
         assert Refund.objects.filter(status=RefundState.HELD).count() >= 2
+        check_a_held_refund_approved_in_the_admin_settles(run)
     finally:
         run.stop()
 

@@ -79,9 +79,13 @@ def test_asyncio_accepts_as_many_as_its_backlog_per_wake_up_so_one_is_one():
     assert accepted_in_one_wake_up(1) == 1
 
 
-def test_gunicorn_conf_uses_the_worker():
+def test_gunicorn_conf_uses_the_worker(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["gunicorn", "refundops.asgi:application", "-c", "gunicorn.conf.py"])
     conf = runpy.run_path(str(ROOT / "gunicorn.conf.py"))
     assert conf["worker_class"] == "refundops.serving.UvicornWorker"
+    # Django's standard command (the same file is read from the current folder): gunicorn's own worker.
+    monkeypatch.setattr(sys, "argv", ["gunicorn", "refundops.wsgi:application"])
+    assert "worker_class" not in runpy.run_path(str(ROOT / "gunicorn.conf.py"))
 
 
 # In a new process: load the application as a server does, then count what a full collection has to

@@ -94,11 +94,13 @@ class ScriptedModel:
         if created["is_error"]:
             return Reply(_refusal(created["result"]))
         refund = created["result"]["refund"]
-        said = created["result"].get("context", {}).get("suggested_message") or ""
-        if refund["status"] == "held":
-            return Reply(f"I've asked for a refund of {_money(refund)}; a colleague reviews it first "
-                         f"(refund {refund['id']}). {said}".strip())
-        return Reply(f"Done: {_money(refund)} is on its way back to your card (refund {refund['id']}). {said}".strip())
+        # The server's words for the customer (amount, method, arrival), else our own: one of them.
+        said = created["result"].get("context", {}).get("suggested_message")
+        if not said and refund["status"] == "held":
+            said = f"I've asked for a refund of {_money(refund)}; a colleague reviews it first."
+        elif not said:
+            said = f"Done: {_money(refund)} is on its way back to your card."
+        return Reply(f"{said} Your refund's reference is {refund['id']}.")
 
 
 def _money(refund: dict[str, Any]) -> str:
@@ -121,22 +123,45 @@ def _summary(name: str, result: dict[str, Any]) -> str:
     return "ok"
 
 
+class ServerRefused(Exception):
+    """The server turned the key away (401 or 403): what it said, for one line to the user."""
+
+
 async def converse(url: str, key: str, model: Model, customer: str) -> dict[str, Any]:
     """The agent loop: the model picks a tool or replies; tools run over MCP with the agent's key."""
     conversation = Conversation()
     conversation.said("customer", customer)
-    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
-        async with streamable_http_client(f"{url.rstrip('/')}/mcp", http_client=http) as (read, write):
-            async with ClientSession(read, write) as session:
-                await session.initialize()
-                tools = (await session.list_tools()).tools
-                for _ in range(10):
-                    step = model.next_step(conversation, tools)
-                    if isinstance(step, Reply):
-                        conversation.said("agent", step.text)
-                        return {"reply": step.text, "turns": conversation.turns}
-                    result = await session.call_tool(step.name, step.arguments)
-                    conversation.called(step, result.structured_content or {}, result.is_error)
+    refusals: list[str] = []
+
+    async def keep_refusal(response: httpx2.Response) -> None:
+        # The SDK reports a refused request as "Server returned an error response", inside
+        # exception groups: keep the server's own code and message to say instead.
+        if response.status_code in (401, 403):
+            await response.aread()
+            try:
+                error = response.json()["error"]
+                refusals.append(f"{response.status_code} {error['code']}: {error['message']}")
+            except (ValueError, KeyError, TypeError):
+                refusals.append(f"{response.status_code} {response.reason_phrase}")
+
+    try:
+        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                                      event_hooks={"response": [keep_refusal]}) as http:
+            async with streamable_http_client(f"{url.rstrip('/')}/mcp", http_client=http) as (read, write):
+                async with ClientSession(read, write) as session:
+                    await session.initialize()
+                    tools = (await session.list_tools()).tools
+                    for _ in range(10):
+                        step = model.next_step(conversation, tools)
+                        if isinstance(step, Reply):
+                            conversation.said("agent", step.text)
+                            return {"reply": step.text, "turns": conversation.turns}
+                        result = await session.call_tool(step.name, step.arguments)
+                        conversation.called(step, result.structured_content or {}, result.is_error)
+    except Exception:
+        if refusals:
+            raise ServerRefused(refusals[0]) from None
+        raise
     raise RuntimeError("the model did not reply within 10 steps")
 
 
@@ -152,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --key rk_… (scripts/run prints one) or set REFUNDOPS_AGENT_KEY")
     model = ScriptedModel(args.payment, args.amount, session_id=f"example-{uuid.uuid4().hex[:8]}")
     customer = f"Hi, my order arrived broken. I paid with {args.payment}. Can I get my money back?"
-    outcome = asyncio.run(converse(args.url, args.key, model, customer))
+    try:
+        outcome = asyncio.run(converse(args.url, args.key, model, customer))
+    except ServerRefused as refused:
+        print(f"{args.url} refused the agent key ({refused}). Check --key: scripts/run prints one.",
+              file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(outcome, indent=2))
     return 0

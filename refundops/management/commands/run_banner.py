@@ -17,9 +17,14 @@ from django.contrib.auth.models import User
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from processors.money import format_minor
 from refundops.access import KEY_PREFIX_LENGTH, generate_key, hash_key
 from refundops.management.commands.demo_data import DEMO_AGENT, DEMO_PASSWORD, write_atomically
 from refundops.models import Agent, AgentKey, Payment, Refund, RefundState
+
+
+# The example agent's hold: above the demo's approval threshold (200.00 USD), on a payment that large.
+HOLD_EXAMPLE_MINOR = 30_000
 
 
 class Command(BaseCommand):
@@ -59,7 +64,15 @@ Try a refund:
        -d '{{"transaction_id": "{example.pk}", "amount": {min(1000, example.refundable_minor)}, "reason": "customer_request"}}'""")
             out.append(f"""Or let the example agent (MCP, a scripted conversation) do it:
   .venv/bin/python examples/agent/agent.py --url {base_url} --key {key} --payment {example.pk}""")
-        out.append(f"Logs: {settings.VAR_DIR}/web.log, {settings.VAR_DIR}/worker.log. Ctrl-C stops.")
+        held = self._example_payment(at_least=HOLD_EXAMPLE_MINOR)
+        if key and held is not None:
+            out.append(f"""To see a hold, ask {format_minor(HOLD_EXAMPLE_MINOR, held.currency)} back on the \
+{format_minor(held.amount_captured_minor, held.currency)} payment ({shown(key_file) if key_file else "demo_data's JSON"} \
+lists a payment for every path):
+  .venv/bin/python examples/agent/agent.py --url {base_url} --key {key} --payment {held.pk} \
+--amount {HOLD_EXAMPLE_MINOR}""")
+        out.append(f"Logs: {shown(settings.VAR_DIR / 'web.log')}, {shown(settings.VAR_DIR / 'worker.log')}. "
+                   "Ctrl-C stops.")
         self.stdout.write("\n".join(out))
 
     def _demo_key(self, key_file: Path | None) -> tuple[str, str]:
@@ -86,12 +99,21 @@ Try a refund:
         return raw, "; a new key: keys are stored hashed and no earlier one was at hand"
 
     @staticmethod
-    def _example_payment() -> Payment | None:
-        """A recent captured payment with nothing refunded, no dispute and no fraud flag."""
+    def _example_payment(*, at_least: int | None = None) -> Payment | None:
+        """A recent captured payment with nothing refunded, no dispute and no fraud flag: below
+        ``HOLD_EXAMPLE_MINOR`` (an agent refunds it whole without a hold), or of ``at_least``."""
         recent = timezone.now() - timedelta(days=30)
+        size = {"amount_captured_minor__gte": at_least} if at_least else {
+            "amount_captured_minor__gte": 1000, "amount_captured_minor__lt": HOLD_EXAMPLE_MINOR}
         return (Payment.objects.filter(status=Payment.Status.CAPTURED, captured_at__gte=recent,
                                        amount_refunded_minor=0, amount_reserved_minor=0,
                                        dispute_status=Payment.Dispute.NONE, fraud_flags=[],
                                        amount_owed_minor=0, customer__email_changed_at__isnull=True,
-                                       currency="USD", amount_captured_minor__gte=1000)
+                                       currency="USD", **size)
                 .order_by("-captured_at", "pk").first())
+
+
+def shown(path: Path) -> str:
+    """``path`` as scripts/run's user types it: relative to the checkout (where scripts/run runs)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(settings.BASE_DIR)) if path.is_relative_to(settings.BASE_DIR) else str(path)
