@@ -371,6 +371,10 @@ REFUND_SYNC_AFTER_SECONDS = env.int("REFUND_SYNC_AFTER_SECONDS", default=120)
 # (``submitted_overdue``) for a person. Stripe's card refunds settle within days, its slowest
 # methods within about a week; PayPal's within a few days (eCheck-funded); the sandbox at once.
 REFUND_SETTLEMENT_SECONDS = {"stripe": 10 * 86400, "paypal": 7 * 86400, "sandbox": 86400}
+# How long after its first use a gateway still answers a repeated idempotency key with its first
+# answer, less a margin: past it the same key is a new refund. Stripe removes keys after 24 h,
+# PayPal keeps a refund's PayPal-Request-Id 45 days. A gateway not named here: never resent.
+GATEWAY_IDEMPOTENCY_KEPT_SECONDS = {"stripe": 23 * 3600, "paypal": 44 * 86400, "sandbox": 23 * 3600}
 GATEWAY_BREAKER_THRESHOLD = env.int("GATEWAY_BREAKER_THRESHOLD", default=5)
 GATEWAY_BREAKER_COOLDOWN_SECONDS = env.float("GATEWAY_BREAKER_COOLDOWN_SECONDS", default=30)
 # Inbound gateway events: a body over this is refused (413) before it is parsed or verified.

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import Min, Q
 from django.utils import timezone
 
 from processors.base import ProcessorUnavailable
@@ -71,19 +71,30 @@ def may_be_at_gateway(refund: Refund) -> bool:
         | Q(outcome=Outcome.SUCCEEDED, idempotency_key=idempotency_key(refund))).exists()
 
 
+def key_still_kept(refund: Refund, *, now=None) -> bool:
+    """Whether the gateway still answers the refund's current idempotency key with its first
+    answer: the key's first call started within ``GATEWAY_IDEMPOTENCY_KEPT_SECONDS``. Past that,
+    a call with the same key is a new request, and pays again if the first one paid."""
+    now = now or timezone.now()
+    kept = settings.GATEWAY_IDEMPOTENCY_KEPT_SECONDS.get(refund.payment.processor, 0)
+    first = refund.attempts.filter(idempotency_key=idempotency_key(refund)).aggregate(first=Min("started_at"))["first"]
+    return first is None or first > now - timedelta(seconds=kept)
+
+
 def open_attempt(refund: Refund, *, resend_unverifiable: bool = False) -> GatewayAttempt:
     """A new live attempt for a refund whose row lock the caller holds. Refused while another
     worker's lease runs, or while an earlier answer is unknown (look it up first).
     ``resend_unverifiable``: unknown attempts already looked up in a book that cannot list every
     refund (:data:`UNVERIFIABLE`) do not stop a new call. Only the gateway's idempotency can answer
-    for them: the new call carries the same key, so it answers the refund they made, or makes it."""
+    for them: the new call carries the same key, so it answers the refund they made, or makes it;
+    only while the gateway still keeps the key (:func:`key_still_kept`)."""
     now = timezone.now()
     pending = list(refund.attempts.filter(outcome__in=(Outcome.LIVE, Outcome.UNKNOWN)).order_by("-lease_until"))
     live = next((attempt for attempt in pending if attempt.outcome == Outcome.LIVE), None)
     if live is not None and live.lease_until > now:
         raise RetryLater(f"refund {refund.pk}: another worker is calling the gateway ({live.worker})",
                          retry_after=(live.lease_until - now).total_seconds())
-    if resend_unverifiable:
+    if resend_unverifiable and key_still_kept(refund, now=now):
         pending = [a for a in pending if not (a.outcome == Outcome.UNKNOWN and a.error_code == UNVERIFIABLE
                                               and a.idempotency_key == idempotency_key(refund))]
     if pending:  # a live one past its lease, or an unknown one

@@ -125,14 +125,29 @@ def _open_attempt(refund_id: str, *, payment_id: str) -> tuple[GatewayAttempt | 
     refund = _cancel_if_disputed(_lock(refund_id, payment_id=payment_id))
     if refund.status != RefundState.APPROVED:
         return None, refund
-    resend = not _dispute_forbids_paying(refund)
     unresolved = attempts.unresolved(refund)
-    if not resend and unresolved and all(a.error_code == attempts.UNVERIFIABLE for a in unresolved):
-        # Not canceled (it may be paid) and not sent again (that could pay it on a disputed
-        # payment): a person decides, from the discrepancy raised for it. The stalled sweep looks
-        # again, and sends it once the dispute is won.
-        return None, refund
-    return attempts.open_attempt(refund, resend_unverifiable=resend), refund
+    if unresolved and all(a.error_code == attempts.UNVERIFIABLE for a in unresolved):
+        why = _why_not_sent_again(refund)
+        if why:
+            # Not canceled (it may be paid) and not sent again (that could pay it twice): a person
+            # decides, from the discrepancy raised for it. The stalled sweep looks again, and
+            # sends it once the dispute is won, if the gateway still keeps the key by then.
+            raise_unverifiable(refund, why=why)
+            return None, refund
+        return attempts.open_attempt(refund, resend_unverifiable=True), refund
+    return attempts.open_attempt(refund), refund
+
+
+def _why_not_sent_again(refund: Refund) -> str:
+    """Why a call whose answer no book can show may not be sent again with the same key ("": it may)."""
+    gateway = refund.payment.processor
+    if _dispute_forbids_paying(refund):
+        return (f"{gateway} cannot list the refunds of {refund.payment.processor_reference}, and the payment's "
+                f"dispute forbids sending the call again to find out")
+    if not attempts.key_still_kept(refund):
+        return (f"{gateway} cannot list the refunds of {refund.payment.processor_reference}, and it no longer "
+                f"keeps the call's request id: sent again, it would be a second refund")
+    return ""
 
 
 def resolve_unknown_attempts(*, refund_id: str) -> Refund:
@@ -163,10 +178,9 @@ def resolve_unknown_attempts(*, refund_id: str) -> Refund:
                 record_audit(actor=WORKER, action="refund.attempt_unverifiable", subject_type="refund",
                              subject_id=refund.pk, data={"looked_up": len(book.refunds),
                                                          "verdict_id": refund.verdict_id})
-            if _dispute_forbids_paying(refund):
-                raise_unverifiable(refund, why=f"{refund.payment.processor} cannot list the refunds of "
-                                               f"{refund.payment.processor_reference}, and the payment's "
-                                               f"dispute forbids sending the call again to find out")
+            why = _why_not_sent_again(refund)
+            if why:
+                raise_unverifiable(refund, why=why)
             return refund
         if not found:
             # A call that started after the book was read may have paid since, and one whose worker

@@ -232,6 +232,12 @@ class FakePayPal(FakeGateway):
                            dispute_outcome={"outcome_code": outcome_code})
             dispute.pop("seller_response_due_date", None)
 
+    def forget_request_ids(self) -> None:
+        """What PayPal does once a request id is older than it keeps them (45 days for a capture's
+        refund): the same ``PayPal-Request-Id`` is then a new request."""
+        with self.lock:
+            self._replays.clear()
+
     def dispute_event(self, event_type: str, dispute_id: str) -> dict[str, Any]:
         """A ``CUSTOMER.DISPUTE.*`` webhook event as PayPal sends it: the dispute as its resource."""
         with self.lock:
