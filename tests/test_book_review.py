@@ -5,10 +5,11 @@ official PayPal SDK against the fake PayPal and the worker's own services."""
 from __future__ import annotations
 
 import json
+import threading
 from datetime import timedelta
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 from django.test import Client
 from django.urls import include, path
 
@@ -131,3 +132,43 @@ def test_a_worker_killed_mid_call_is_retried_after_the_extra_lease_and_pays_once
 
     assert refund.status in (S.SUBMITTED, S.SETTLED) and paypal_fake.refund_count == 1
     assert GatewayAttempt.objects.get(pk=attempt.pk).outcome == GatewayAttempt.Outcome.ABSENT
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_sync_sweeps_at_once_take_different_refunds():
+    """Sweep A holds the rows it took (not yet committed) while sweep B runs: B takes the next ones
+    rather than waiting for A or taking A's."""
+    from tests.test_forgotten_submitted import submitted_on_the_sandbox
+
+    refunds = submitted_on_the_sandbox(6, ago=timedelta(days=1))
+    taken: dict[str, list[str]] = {}
+    a_holds, b_done = threading.Event(), threading.Event()
+
+    def sweep_a() -> None:
+        try:
+            with transaction.atomic():
+                taken["a"] = payouts.take_submitted_refunds_to_sync(older_than_seconds=60, limit=3)
+                a_holds.set()
+                b_done.wait(30)
+        finally:
+            connection.close()
+
+    def sweep_b() -> None:
+        try:
+            a_holds.wait(30)
+            taken["b"] = payouts.take_submitted_refunds_to_sync(older_than_seconds=60, limit=3)
+        finally:
+            b_done.set()
+            connection.close()
+
+    threads = [threading.Thread(target=sweep_a), threading.Thread(target=sweep_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+    assert len(taken["a"]) == len(taken["b"]) == 3
+    assert set(taken["a"]) | set(taken["b"]) == {r.pk for r in refunds}
+    assert Refund.objects.filter(synced_at__isnull=True).count() == 0
+    # the next sweep takes those asked least recently: A's (asked first), never a new ordering of B's
+    assert set(payouts.take_submitted_refunds_to_sync(older_than_seconds=60, limit=3)) == set(taken["a"])
