@@ -172,3 +172,21 @@ def test_two_sync_sweeps_at_once_take_different_refunds():
     assert Refund.objects.filter(synced_at__isnull=True).count() == 0
     # the next sweep takes those asked least recently: A's (asked first), never a new ordering of B's
     assert set(payouts.take_submitted_refunds_to_sync(older_than_seconds=60, limit=3)) == set(taken["a"])
+
+
+def test_reconcile_since_a_date_still_reports_a_submitted_refund_untouched_since_and_overdue(settings):
+    """``reconcile --since`` compares payments with activity since then; a refund still submitted,
+    which nothing has touched for days, is exactly the one to look at."""
+    from refundops.services import reconciliation
+    from tests.test_forgotten_submitted import submitted_on_the_sandbox
+
+    settings.REFUND_SETTLEMENT_SECONDS = {**settings.REFUND_SETTLEMENT_SECONDS, "sandbox": 3600}
+    [overdue] = submitted_on_the_sandbox(1, ago=timedelta(hours=3))
+    Refund.objects.filter(pk=overdue.pk).update(updated_at=payouts.timezone.now() - timedelta(hours=3),
+                                                created_at=payouts.timezone.now() - timedelta(hours=3))
+    Payment.objects.filter(pk=overdue.payment_id).update(created_at=payouts.timezone.now() - timedelta(hours=4))
+
+    reconciliation.reconcile(gateway="sandbox", since=payouts.timezone.now() - timedelta(hours=1))
+
+    assert LedgerDiscrepancy.objects.filter(kind=LedgerDiscrepancy.Kind.SUBMITTED_OVERDUE,
+                                            refund_id=overdue.pk).exists()

@@ -172,7 +172,9 @@ def _payments_to_check(*, gateway: str | None, since: datetime | None) -> Iterat
     if gateway:
         payments = payments.filter(processor=gateway)
     if since is not None:
-        touched = Refund.objects.filter(payment_id=OuterRef("pk"), updated_at__gte=since)
+        # A refund still submitted is still in play however long ago it last moved: it may be overdue.
+        touched = Refund.objects.filter(Q(updated_at__gte=since) | Q(status=RefundState.SUBMITTED),
+                                        payment_id=OuterRef("pk"))
         payments = payments.filter(Q(created_at__gte=since) | Q(captured_at__gte=since) | Exists(touched))
     return payments.iterator(chunk_size=200)
 
