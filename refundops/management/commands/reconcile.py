@@ -29,7 +29,8 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--gateway", choices=Payment.Processor.values, help="only this gateway's payments")
-        parser.add_argument("--since", help="only payments created, captured or refunded since this date, and those with a refund still submitted")
+        parser.add_argument("--since", help="only payments created, captured or refunded since this date, "
+                                            "and those with a refund still submitted")
         parser.add_argument("--json", action="store_true", dest="as_json", help="print one JSON object instead of progress")
 
     def handle(self, *args, gateway: str | None, since: str | None, as_json: bool, **options) -> None:
