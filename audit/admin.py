@@ -7,12 +7,14 @@ nothing here imports them (audit is the ground floor).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 from django.contrib import admin
 from django.contrib.admin.utils import flatten_fieldsets, quote
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import FieldDoesNotExist, PermissionDenied
+from django.db import models
 from django.urls import NoReverseMatch, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
@@ -22,7 +24,47 @@ from audit.models import AuditEntry, Verdict
 from processors.money import format_minor
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class MoneyAsMoneyAdmin:
+    """On a page shown read-only, a "…_minor" field of a model with a currency reads as money
+    ("12.50 USD", labelled without "minor"), and a JSON mapping as a table of its keys (its
+    amounts as money too). A form a person may edit keeps its inputs as they are."""
+
+    def get_fieldsets(self, request, obj=None):
+        fieldsets = super().get_fieldsets(request, obj)
+        if obj is None or self.has_change_permission(request, obj):
+            return fieldsets
+        return [(name, {**options, "fields": [readable_field(self.model, f) for f in options["fields"]]})
+                for name, options in fieldsets]
+
+
+@functools.cache
+def readable_field(model, name):
+    """``name`` itself, or for an amount in minor units or a JSON mapping, a read-only column
+    (a callable, as the admin takes in fields and readonly_fields) that shows it readably."""
+    if not isinstance(name, str):
+        return name
+    try:
+        field = model._meta.get_field(name)
+    except FieldDoesNotExist:
+        return name
+    has_currency = any(f.name == "currency" for f in model._meta.concrete_fields)
+    if name.endswith("_minor") and isinstance(field, models.IntegerField) and has_currency:
+        def show(obj) -> str:
+            return money_or_dash(getattr(obj, name), obj.currency)
+        show.short_description = str(field.verbose_name).removesuffix(" minor")
+    elif isinstance(field, models.JSONField):
+        def show(obj) -> SafeString | str:
+            value = getattr(obj, name)
+            currency = getattr(obj, "currency", "") if has_currency else ""
+            return mapping_table(value, currency) if isinstance(value, dict) else readable(value, currency) or "-"
+        show.short_description = str(field.verbose_name)
+    else:
+        return name
+    show.__name__ = name  # the row keeps its CSS class, field-<name>
+    return show
+
+
+class ReadOnlyAdmin(MoneyAsMoneyAdmin, admin.ModelAdmin):
     """Rows written only by services: people may look, never add, edit or delete."""
 
     def get_readonly_fields(self, request, obj=None):
@@ -42,7 +84,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
-class HistoryAdmin(SimpleHistoryAdmin):
+class HistoryAdmin(MoneyAsMoneyAdmin, SimpleHistoryAdmin):
     """History shows who or what moved a row and why. Reverting is refused: it would bypass the
     services (and the state machine) that write those rows and their audit entries."""
 
@@ -131,7 +173,7 @@ def checks_table(checks: list[dict[str, Any]], *, currency: str = "") -> SafeStr
     rows = format_html_join(
         "", '<tr class="check-{}"><td class="name">{}</td><td><strong>{}</strong></td><td class="name">{}</td>'
             '<td>{}</td><td>{}</td><td class="inputs">{}</td><td class="why">{}</td></tr>',
-        ((c.get("result", ""), c.get("name", "").replace("_", " "), c.get("result", ""), c.get("code", ""),
+        ((c.get("result", ""), c.get("name", ""), c.get("result", ""), c.get("code", ""),
           readable(c.get("limit"), currency, money=_money_check(c.get("name", ""))),
           readable(c.get("observed"), currency, money=_money_check(c.get("name", ""))),
           _inputs(c, currency),

@@ -118,7 +118,7 @@ class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
     ordering = ["-created_at"]
     # Narrow enough for a 1366 px laptop beside the filters: the origin is in the requester, the
     # customer under the payment, the verdict one click away on the refund's page.
-    list_display = ["id", "amount", "status", "reason", "requester", "held_because", "payment_and_customer",
+    list_display = ["id", "amount", "status_and_reason", "requester", "held_because", "payment_and_customer",
                     "created_at"]
     # Currencies in use, not all forty the platform accepts.
     list_filter = [RefundStatusFilter, "origin", "reason", ("agent", admin.RelatedOnlyFieldListFilter),
@@ -148,8 +148,13 @@ class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
 
     @admin.display(description="payment, customer", ordering="payment_id")
     def payment_and_customer(self, obj: Refund) -> str:
-        return format_html("{}<br><small>{}</small>", admin_link("admin:refundops_payment_change", obj.payment_id),
+        return format_html('<span class="long-id" title="{}">{}</span><br><small>{}</small>', obj.payment_id,
+                           admin_link("admin:refundops_payment_change", obj.payment_id),
                            obj.payment.customer.name or obj.payment.customer.email)
+
+    @admin.display(description="status, reason", ordering="status")
+    def status_and_reason(self, obj: Refund) -> str:
+        return format_html("{}<br><small>{}</small>", obj.get_status_display(), obj.get_reason_display())
 
     @admin.display(description="held because")
     def held_because(self, obj: Refund) -> str:
