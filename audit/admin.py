@@ -60,7 +60,8 @@ def readable_field(model, name):
         show.short_description = str(field.verbose_name)
     else:
         return name
-    show.__name__ = name  # the row keeps its CSS class, field-<name>
+    # Not the field's own name: its help text (and a form's, "in minor units …") would show beneath.
+    show.__name__ = name.removesuffix("_minor") if name.endswith("_minor") else f"{name}_readable"
     return show
 
 
