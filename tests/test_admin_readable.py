@@ -72,6 +72,8 @@ def test_the_refund_list_shows_refunds_with_readable_hold_reasons_and_denied_req
     assert refunds["denied"].pk in denied and refunds["held"].pk not in denied
     every = client.get(reverse("admin:refundops_refund_changelist") + "?status__exact=all").content.decode()
     assert refunds["denied"].pk in every and refunds["held"].pk in every
+    counted = client.get(reverse("admin:refundops_refund_changelist") + "?_facets=True").content.decode()
+    assert "Denied by a check (1)" in counted and "Held for approval (1)" in counted
 
 
 def test_the_verdict_shows_money_as_money_and_inputs_readably(client, auditor, refunds):
