@@ -128,7 +128,8 @@ def _cell(value: Any) -> str:
 # that carry amounts. Every check named "…_amount" is one (a running total of money).
 MONEY_CHECKS = {"payment_refundable", "amount_within_refundable", "approval_threshold",
                 "approval_threshold_cumulative", "requester_authority"}
-MONEY_INPUTS = {"amount", "captured", "refunded", "reserved", "agents_on_payment", "agents_on_customer"}
+MONEY_INPUTS = {"amount", "captured", "refunded", "reserved", "agents_on_payment", "agents_on_customer",
+                "people_on_payment", "people_on_customer"}
 
 
 def _money_check(name: str) -> bool:
