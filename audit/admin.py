@@ -7,12 +7,14 @@ nothing here imports them (audit is the ground floor).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
 from django.contrib import admin
 from django.contrib.admin.utils import flatten_fieldsets, quote
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import FieldDoesNotExist, PermissionDenied
+from django.db import models
 from django.urls import NoReverseMatch, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
@@ -22,7 +24,48 @@ from audit.models import AuditEntry, Verdict
 from processors.money import format_minor
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class MoneyAsMoneyAdmin:
+    """On a page shown read-only, a "…_minor" field of a model with a currency reads as money
+    ("12.50 USD", labelled without "minor"), and a JSON mapping as a table of its keys (its
+    amounts as money too). A form a person may edit keeps its inputs as they are."""
+
+    def get_fieldsets(self, request, obj=None):
+        fieldsets = super().get_fieldsets(request, obj)
+        if obj is None or self.has_change_permission(request, obj):
+            return fieldsets
+        return [(name, {**options, "fields": [readable_field(self.model, f) for f in options["fields"]]})
+                for name, options in fieldsets]
+
+
+@functools.cache
+def readable_field(model, name):
+    """``name`` itself, or for an amount in minor units or a JSON mapping, a read-only column
+    (a callable, as the admin takes in fields and readonly_fields) that shows it readably."""
+    if not isinstance(name, str):
+        return name
+    try:
+        field = model._meta.get_field(name)
+    except FieldDoesNotExist:
+        return name
+    has_currency = any(f.name == "currency" for f in model._meta.concrete_fields)
+    if name.endswith("_minor") and isinstance(field, models.IntegerField) and has_currency:
+        def show(obj) -> str:
+            return money_or_dash(getattr(obj, name), obj.currency)
+        show.short_description = str(field.verbose_name).removesuffix(" minor")
+    elif isinstance(field, models.JSONField):
+        def show(obj) -> SafeString | str:
+            value = getattr(obj, name)
+            currency = getattr(obj, "currency", "") if has_currency else ""
+            return mapping_table(value, currency) if isinstance(value, dict) else readable(value, currency) or "-"
+        show.short_description = str(field.verbose_name)
+    else:
+        return name
+    # Not the field's own name: its help text (and a form's, "in minor units …") would show beneath.
+    show.__name__ = name.removesuffix("_minor") if name.endswith("_minor") else f"{name}_readable"
+    return show
+
+
+class ReadOnlyAdmin(MoneyAsMoneyAdmin, admin.ModelAdmin):
     """Rows written only by services: people may look, never add, edit or delete."""
 
     def get_readonly_fields(self, request, obj=None):
@@ -42,7 +85,7 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
-class HistoryAdmin(SimpleHistoryAdmin):
+class HistoryAdmin(MoneyAsMoneyAdmin, SimpleHistoryAdmin):
     """History shows who or what moved a row and why. Reverting is refused: it would bypass the
     services (and the state machine) that write those rows and their audit entries."""
 
@@ -80,29 +123,79 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+# Which figures of a verdict's checks are money, in minor units of the verdict's currency (the
+# policy, refundops.policy, records bare integers): the checks on amounts, by name, and the inputs
+# that carry amounts. Every check named "…_amount" is one (a running total of money).
+MONEY_CHECKS = {"payment_refundable", "amount_within_refundable", "approval_threshold",
+                "approval_threshold_cumulative", "requester_authority"}
+MONEY_INPUTS = {"amount", "captured", "refunded", "reserved", "agents_on_payment", "agents_on_customer",
+                "people_on_payment", "people_on_customer"}
+
+
+def _money_check(name: str) -> bool:
+    return name in MONEY_CHECKS or name.endswith("_amount")
+
+
+def _label(key: str) -> str:
+    return key.removesuffix("_minor").replace("_", " ")
+
+
+def readable(value: Any, currency: str = "", *, money: bool = False) -> str:
+    """A value as a person reads it: money as money (``money`` and a currency known), a mapping
+    as "key: value" pairs (its "…_minor" keys as money in its own or the given currency), a list
+    joined with commas, yes/no for booleans."""
+    if value in (None, "", [], {}):
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if money and currency and isinstance(value, int):
+        return format_minor(value, currency)
+    if isinstance(value, dict):
+        currency = value["currency"] if isinstance(value.get("currency"), str) else currency
+        return ", ".join(f"{_label(k) if currency else k}: {readable(v, currency, money=k.endswith('_minor'))}"
+                         for k, v in sorted(value.items()) if v not in (None, "", [], {}))
+    if isinstance(value, list):
+        return ", ".join(readable(v, currency) for v in value)
+    return str(value)
+
+
+def _inputs(check: dict[str, Any], currency: str) -> SafeString:
+    money = _money_check(check.get("name", ""))
+    return format_html_join(
+        "", '<span class="input">{}: {}</span><br>',
+        ((_label(k), readable(v, currency, money=k in MONEY_INPUTS or (money and k == "would_be")))
+         for k, v in sorted((check.get("inputs") or {}).items())))
+
+
 def checks_table(checks: list[dict[str, Any]], *, currency: str = "") -> SafeString:
     """A verdict's checks as a table a person can read, in the order they ran: what was checked,
-    its result, the limit, what was observed, and (for a check that failed or held) why."""
+    its result, the limit, what was observed (money as money), and why it failed or held."""
     if not checks:
         return format_html("<p>{}</p>", "No checks ran (the request was refused before the policy).")
     rows = format_html_join(
         "", '<tr class="check-{}"><td class="name">{}</td><td><strong>{}</strong></td><td class="name">{}</td>'
-            '<td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>',
-        ((c.get("result", ""), c.get("name", ""), c.get("result", ""), c.get("code", ""), _cell(c.get("limit")),
-          _cell(c.get("observed")), _cell(c.get("inputs")),
-          # A passing check's message describes the refusal it would have given: not news.
+            '<td>{}</td><td>{}</td><td class="inputs">{}</td><td class="why">{}</td></tr>',
+        ((c.get("result", ""), c.get("name", ""), c.get("result", ""), c.get("code", ""),
+          readable(c.get("limit"), currency, money=_money_check(c.get("name", ""))),
+          readable(c.get("observed"), currency, money=_money_check(c.get("name", ""))),
+          _inputs(c, currency),
+          # A pass says what passed in the verdict itself; verdicts recorded before that was so carry
+          # the refusal's wording on a pass, so the table explains only checks that did not pass.
           c.get("message", "") if c.get("result") != "pass" else "") for c in checks))
-    units = f"Amounts are in minor units of {currency}. " if currency else ""
     return format_html(
-        '<table class="checks-table"><caption>{}{} checks, in the order they ran</caption><thead><tr>'
-        "<th>Check</th><th>Result</th><th>Code if refused</th><th>Limit</th><th>Observed</th><th>Inputs</th>"
-        "<th>Why</th></tr></thead><tbody>{}</tbody></table>", units, len(checks), rows)
+        '<div class="checks-scroll"><table class="checks-table"><caption>{} checks, in the order they ran</caption>'
+        "<thead><tr><th>Check</th><th>Result</th><th>Code if refused</th><th>Limit</th><th>Observed</th>"
+        "<th>Inputs</th><th>Why</th></tr></thead><tbody>{}</tbody></table></div>", len(checks), rows)
 
 
-def mapping_table(data: dict[str, Any]) -> SafeString:
+def mapping_table(data: dict[str, Any], currency: str = "") -> SafeString:
+    """Keys and values; a "…_minor" key as money when the currency is known (given, or in the data)."""
     if not data:
         return format_html("<p>{}</p>", "-")
-    rows = format_html_join("", "<tr><th>{}</th><td>{}</td></tr>", ((k, _cell(v)) for k, v in sorted(data.items())))
+    currency = data["currency"] if isinstance(data.get("currency"), str) else currency
+    rows = format_html_join("", "<tr><th>{}</th><td>{}</td></tr>", (
+        (_label(k) if currency else k, readable(v, currency, money=k.endswith("_minor")))
+        for k, v in sorted(data.items())))
     return format_html('<table class="checks-table"><tbody>{}</tbody></table>', rows)
 
 
@@ -123,7 +216,7 @@ class VerdictAdmin(ReadOnlyAdmin):
         (None, {"fields": ["id", "created_at", "operation", "outcome", "code", "message", "dry_run",
                            "deduplicated", "policy_version"]}),
         ("Who asked", {"fields": ["agent_name", "agent_id", "key_prefix", "staff_username", "idempotency_key"]}),
-        ("What about", {"fields": ["payment", "refund", "amount", "hold_reasons"]}),
+        ("What about", {"fields": ["payment", "refund", "amount", "held_because"]}),
         ("Checks", {"fields": ["checks_rendered", "totals_rendered"]}),
         ("Raw", {"classes": ["collapse"], "fields": ["request_rendered", "gateway_response_rendered"]}),
     ]
@@ -135,6 +228,15 @@ class VerdictAdmin(ReadOnlyAdmin):
     @admin.display(description="amount", ordering="amount_minor")
     def amount(self, obj: Verdict) -> str:
         return money_or_dash(obj.amount_minor, obj.currency)
+
+    @admin.display(description="held because")
+    def held_because(self, obj: Verdict) -> str:
+        """Each hold reason in the words of the check that held (with its figures), and its code."""
+        said = {c.get("code"): c.get("message", "") for c in obj.checks or [] if c.get("result") == "hold"}
+        if not obj.hold_reasons:
+            return "-"
+        return format_html('<ul class="hold-reasons">{}</ul>', format_html_join(
+            "", "<li>{} <small>({})</small></li>", ((said.get(code) or code, code) for code in obj.hold_reasons)))
 
     @admin.display(description="payment")
     def payment(self, obj: Verdict) -> str:
@@ -150,7 +252,7 @@ class VerdictAdmin(ReadOnlyAdmin):
 
     @admin.display(description="running totals seen")
     def totals_rendered(self, obj: Verdict) -> SafeString:
-        return mapping_table(obj.totals)
+        return mapping_table(obj.totals, obj.currency)
 
     @admin.display(description="request as received")
     def request_rendered(self, obj: Verdict) -> SafeString:
@@ -176,7 +278,7 @@ class AuditEntryAdmin(ReadOnlyAdmin):
 
     @admin.display(description="data")
     def summary(self, obj: AuditEntry) -> str:
-        text = ", ".join(f"{k}={_cell(v)}" for k, v in sorted(obj.data.items()) if v not in (None, "", [], {}))
+        text = readable(obj.data)
         return text if len(text) <= 120 else text[:119] + "…"
 
     @admin.display(description="data")

@@ -224,8 +224,10 @@ def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits |
                 money, requester_authority: int | None, by_agent: bool) -> list[str]:
     fired: list[str] = []
 
-    def rule(name: str, code: str, fires: bool, **detail: Any) -> None:
-        checks.append(Check(name, "hold" if fires else "pass", code=code if fires else "", **detail))
+    def rule(name: str, code: str, fires: bool, *, message: str = "", passed: str = "", **detail: Any) -> None:
+        # ``message`` says why it holds, ``passed`` what was within bounds: each only when it is true.
+        checks.append(Check(name, "hold" if fires else "pass", code=code if fires else "",
+                            message=message if fires else passed, **detail))
         if fires:
             fired.append(code)
 
@@ -244,19 +246,26 @@ def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits |
     else:
         threshold = int(limits.reason_thresholds.get(reason, limits.approval_threshold_minor))
         rule("approval_threshold", "APPROVAL_REQUIRED", amount > threshold, limit=threshold, observed=amount,
-             message=f"{money(amount)} is above the {money(threshold)} an agent may refund alone.")
+             message=f"{money(amount)} is above the {money(threshold)} an agent may refund alone.",
+             passed=f"{money(amount)} is within the {money(threshold)} an agent may refund alone.")
         rule("approval_threshold_cumulative", "APPROVAL_REQUIRED_CUMULATIVE",
              before > 0 and before + amount > threshold, limit=threshold, observed=before + amount, inputs=so_far,
              message=f"{money(before)} already refunded by {kind} {scope}, plus {money(amount)}, is "
                      f"{money(before + amount)}: above the {money(threshold)} {kind} may refund without "
-                     f"a second person.")
+                     f"a second person.",
+             passed=f"{money(before)} already refunded by {kind} {scope}, plus {money(amount)}, is "
+                    f"{money(before + amount)}: within the {money(threshold)} {kind} may refund without "
+                    f"a second person.")
     if requester_authority is not None:
         rule("requester_authority", "ABOVE_REQUESTER_AUTHORITY", before + amount > requester_authority,
              limit=requester_authority, observed=before + amount, inputs=so_far,
              message=(f"{money(amount)}" + (f", with the {money(before)} already refunded by people {scope},"
                                             if before else "")
                       + f" is above the {money(requester_authority)} the requester may approve: someone else "
-                        f"decides."))
+                        f"decides."),
+             passed=(f"{money(amount)}" + (f", with the {money(before)} already refunded by people {scope},"
+                                           if before else "")
+                     + f" is within the {money(requester_authority)} the requester may approve."))
     rules = rules or HoldRules()  # no rules saved: every hold on (the model's defaults), never none
     if rules.hold_disputed:
         rule("payment_disputed", "PAYMENT_DISPUTED", payment.is_disputed,

@@ -61,7 +61,7 @@ INSTALLED_APPS = [
     "simple_history",
     "axes",
     "django_otp",
-    "django_otp.plugins.otp_totp",
+    "roles.apps.TOTPDevicesConfig",  # django_otp.plugins.otp_totp, with a readable heading
     "processors",
     "audit",
     "refundops.apps.RefundOpsConfig",

@@ -1,6 +1,7 @@
 from django.apps import AppConfig
 from django.contrib.admin import apps as admin_apps
 from django.db.models.signals import post_migrate
+from django_otp.plugins.otp_totp import apps as otp_totp_apps
 
 
 class RolesConfig(AppConfig):
@@ -29,3 +30,10 @@ class StaffAdminConfig(admin_apps.AdminConfig):
 
     default = False  # named in INSTALLED_APPS instead of django.contrib.admin
     default_site = "roles.signin.StaffAdminSite"
+
+
+class TOTPDevicesConfig(otp_totp_apps.DefaultConfig):
+    """django-otp's TOTP devices under a heading people read (the app has none: "OTP_TOTP")."""
+
+    default = False  # named in INSTALLED_APPS instead of django_otp.plugins.otp_totp
+    verbose_name = "Two-factor devices"

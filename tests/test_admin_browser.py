@@ -55,7 +55,7 @@ def test_the_demo_approver_reads_the_dashboard_and_approves_a_held_refund_by_cli
     page.goto(f"{live_server.url}/admin/refundops/refund/held/")
     row = page.locator(f"tr[data-refund='{refund_id}']")
     expect(row).to_contain_text("300.00 USD")
-    expect(row).to_contain_text("APPROVAL_REQUIRED")
+    expect(row).to_contain_text("The amount is above the amount an agent may refund without a person.")
     expect(row).to_contain_text("within your authority")
     shot(page, "03-held-queue")
 

@@ -153,7 +153,8 @@ def test_the_held_queue_lists_waiting_refunds_oldest_first_with_reasons_and_auth
     client.force_login(make_approver(limit=10_000))
     page = client.get(reverse("admin:refundops_refund_held")).content.decode()
     assert page.index(world.held.pk) < page.index(world.held_big.pk)  # created first, listed first
-    assert "APPROVAL_REQUIRED, PAYMENT_FLAGGED" in page
+    assert "<li>The amount is above the amount an agent may refund without a person.</li>" \
+           "<li>The payment is flagged by fraud screening.</li>" in page  # refundops.holds, in the verdict's order
     assert "within your authority" in page and "no authority in EUR" in page
     assert world.approved.pk not in page
 

@@ -16,6 +16,7 @@ from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 from django.views.decorators.http import require_POST
 
+from audit.admin import MoneyAsMoneyAdmin
 from audit.models import Verdict
 from processors.money import format_minor
 from refundops.models import PolicyDraft
@@ -55,7 +56,7 @@ class DraftChangeForm(forms.ModelForm):
 
 
 @admin.register(PolicyDraft)
-class PolicyDraftAdmin(admin.ModelAdmin):
+class PolicyDraftAdmin(MoneyAsMoneyAdmin, admin.ModelAdmin):
     list_display = ("id", "kind", "currency", "status", "shadow", "note", "created_by", "created_at")
     list_filter = ("kind", "status", "shadow")
     search_fields = ("id", "note", "created_by")

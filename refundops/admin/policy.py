@@ -14,6 +14,7 @@ from django import forms
 from django.contrib import admin
 from django.db.models import Model, OuterRef, Subquery
 
+from audit.admin import MoneyAsMoneyAdmin
 from processors.money import format_minor
 from proposals.admin import ProposeChangeMixin
 from proposals.models import Proposal
@@ -55,7 +56,7 @@ class RefundLimitsForm(forms.ModelForm):
         return data
 
 
-class VersionedAdmin(ProposeChangeMixin, admin.ModelAdmin):
+class VersionedAdmin(ProposeChangeMixin, MoneyAsMoneyAdmin, admin.ModelAdmin):
     """A change never updates a row: it proposes the next version of the series, written when a
     second person approves it."""
 
