@@ -320,3 +320,28 @@ def test_the_dashboards_day_counts_its_first_hour_during_its_second(db, settings
         (usd,) = board.per_currency
         assert [(d.day, d.count, d.amount_minor) for d in usd.days] == \
             [(day - timedelta(days=1), 0, 0), (day, 1, 700)][-days:]
+
+
+@pytest.mark.parametrize("zone, day", [*FALL_BACK_AT_MIDNIGHT, ("Pacific/Chatham", date(2026, 9, 27))])
+def test_the_dashboards_day_of_a_refund_is_the_day_the_limits_counted_it_on(db, settings, zone, day):
+    """A decision takes its instant before it waits for its locks, and the refund is written after:
+    one asked a microsecond before local midnight and written just after is counted (``counted_at``)
+    on the day before, and a failed refund sent again days later is counted on the day it is sent
+    again. The dashboard's bars stand against the global daily limit: each refund is on the day the
+    limit counted it, not the day its row was written (``created_at``)."""
+    from refundops.reports import dashboard
+
+    settings.TIME_ZONE = zone
+    make_limits()
+    payment = make_payment(amount=50_000)
+    midnight = local(zone, day, 0)
+    with time_machine.travel(midnight + timedelta(milliseconds=3), tick=False):  # written after the lock wait
+        Refund.objects.create(payment=payment, amount_minor=700, currency="USD", reason="duplicate",
+                              status=RefundState.SETTLED, counted_at=midnight - timedelta(microseconds=1))
+    with time_machine.travel(midnight - timedelta(days=5), tick=False):  # failed, sent again today
+        Refund.objects.create(payment=payment, amount_minor=300, currency="USD", reason="duplicate",
+                              status=RefundState.APPROVED, counted_at=midnight + timedelta(hours=2))
+    board = dashboard(now=midnight + timedelta(hours=3), days=2)
+    (usd,) = board.per_currency
+    assert [(d.day, d.count, d.amount_minor) for d in usd.days] == \
+        [(day - timedelta(days=1), 1, 700), (day, 1, 300)]
