@@ -146,7 +146,8 @@ def limit_windows(now: datetime, *, velocity_hours: int = 24, cumulative_hours: 
     today = timezone.localtime(now, zone).date()
     # The day is bounded at its end: a decision that took its instant before midnight and got its locks
     # after another's, counted after midnight, is still the first of its day (elapsed windows are not).
-    return LimitWindows(day=start_of_local_day(today, zone), day_end=start_of_local_day(today + timedelta(days=1), zone),
+    return LimitWindows(day=start_of_local_day(today, zone),
+                        day_end=start_of_local_day(today + timedelta(days=1), zone),
                         hour=now - timedelta(hours=1),
                         month=now - timedelta(days=30), velocity=now - timedelta(hours=velocity_hours),
                         cumulative=now - timedelta(hours=cumulative_hours))
