@@ -95,9 +95,11 @@ def _window(now: datetime, days: int) -> tuple[datetime, list[date]]:
 
 
 def refunds_per_day(*, since: datetime, days: list[date]) -> list[CurrencyDays]:
-    """Value and count of refunds that count against limits, per currency and local day."""
-    rows = (Refund.objects.filter(status__in=COUNTING_STATES, created_at__gte=since)
-            .annotate(day=TruncDate("created_at", tzinfo=limits_zone()))
+    """Value and count of refunds that count against limits, per currency and local day: the day the
+    limits counted each on (``counted_at``: the decision's instant, or a resubmission's), not the day
+    its row was written."""
+    rows = (Refund.objects.filter(status__in=COUNTING_STATES, counted_at__gte=since)
+            .annotate(day=TruncDate("counted_at", tzinfo=limits_zone()))
             .values("currency", "day").annotate(n=Count("id"), total=Sum("amount_minor"))
             .order_by())
     by_currency: dict[str, dict[date, tuple[int, int]]] = defaultdict(dict)

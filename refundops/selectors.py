@@ -130,6 +130,7 @@ class LimitWindows:
     (``limits_zone()``); the others are elapsed time, whatever the clocks do in between."""
 
     day: datetime  # today's first instant: the daily limits (customer, agent, global)
+    day_end: datetime  # tomorrow's first instant: a refund counted from then on is tomorrow's, not today's
     hour: datetime  # an hour ago: the agent's hourly limit
     month: datetime  # 30 x 24 hours ago: the customer's 30 days
     velocity: datetime  # the hold rules' velocity window
@@ -141,7 +142,13 @@ def limit_windows(now: datetime, *, velocity_hours: int = 24, cumulative_hours: 
     """The windows of a decision at ``now`` (aware, in any zone): one plain computation that the
     statement, the ORM reading and any reference model share."""
     now = timezone.localtime(now, UTC)  # elapsed arithmetic: an aware local time would add wall-clock hours
-    return LimitWindows(day=start_of_day(now, zone), hour=now - timedelta(hours=1),
+    zone = zone or limits_zone()
+    today = timezone.localtime(now, zone).date()
+    # The day is bounded at its end: a decision that took its instant before midnight and got its locks
+    # after another's, counted after midnight, is still the first of its day (elapsed windows are not).
+    return LimitWindows(day=start_of_local_day(today, zone),
+                        day_end=start_of_local_day(today + timedelta(days=1), zone),
+                        hour=now - timedelta(hours=1),
                         month=now - timedelta(days=30), velocity=now - timedelta(hours=velocity_hours),
                         cumulative=now - timedelta(hours=cumulative_hours))
 
@@ -156,6 +163,14 @@ def first_bucket_from(at: datetime) -> datetime:
     since = at - _EPOCH  # exact, in whole microseconds
     micros = (since.days * 86_400 + since.seconds) * 1_000_000 + since.microseconds
     return _EPOCH + timedelta(seconds=-(-micros // (BUCKET_SECONDS * 1_000_000)) * BUCKET_SECONDS)
+
+
+def last_bucket_until(at: datetime) -> datetime:
+    """The start of the last whole bucket that ends at or before ``at``: the day's kept buckets are
+    those from ``first_bucket_from(day)`` to this (excluded), and the refunds from here to ``at``
+    are summed."""
+    first = first_bucket_from(at)
+    return first if first == at else first - timedelta(seconds=BUCKET_SECONDS)
 
 
 def _sql_literal(value: str | tuple[str, ...]) -> str:
@@ -183,22 +198,25 @@ SELECT
   ad.hour_sum + a.hour_edge_sum
   - COALESCE((SELECT amount_minor FROM x WHERE agent_id = %(agent)s AND counted_at >= %(hour_bucket)s), 0),
   ad.day_sum + a.day_edge_sum
-  - COALESCE((SELECT amount_minor FROM x WHERE agent_id = %(agent)s AND counted_at >= %(day_bucket)s), 0),
+  - COALESCE((SELECT amount_minor FROM x WHERE agent_id = %(agent)s AND counted_at >= %(day_bucket)s
+                AND counted_at < %(day_end_bucket)s), 0),
   a.session_sum,
   (SELECT COALESCE(SUM(amount_minor), 0) FROM {deltas}
-    WHERE currency = %(currency)s AND agent_id = '' AND bucket >= %(day_bucket)s)
-  - COALESCE((SELECT amount_minor FROM x WHERE counted_at >= %(day_bucket)s), 0)
+    WHERE currency = %(currency)s AND agent_id = '' AND bucket >= %(day_bucket)s AND bucket < %(day_end_bucket)s)
+  - COALESCE((SELECT amount_minor FROM x WHERE counted_at >= %(day_bucket)s AND counted_at < %(day_end_bucket)s), 0)
   + (SELECT COALESCE(SUM(amount_minor), 0) FROM {refund}
-      WHERE status = ANY({states}) AND currency = %(currency)s AND counted_at >= %(day)s
-        AND counted_at < %(day_bucket)s AND id <> %(exclude)s),
+      WHERE status = ANY({states}) AND currency = %(currency)s AND id <> %(exclude)s
+        AND ((counted_at >= %(day)s AND counted_at < %(day_bucket)s)
+             OR (counted_at >= %(day_end_bucket)s AND counted_at < %(day_end)s))),
   pr.agents_sum, c.agents_window_sum,
   COALESCE((SELECT refunds_paused OR agents_disabled FROM {platform} WHERE id = 1), false),
   COALESCE((SELECT MAX(version) FROM {limits} WHERE currency = %(currency)s), 0)
 FROM
   (SELECT COUNT(*) AS count, COALESCE(SUM(amount_minor) FILTER (WHERE origin = %(cumulative_origin)s), 0) AS agents_sum
      FROM {refund} WHERE payment_id = %(payment)s AND status = ANY({states}) AND id <> %(exclude)s) pr,
-  (SELECT COUNT(*) FILTER (WHERE r.counted_at >= %(day)s) AS day_count,
-          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(day)s), 0) AS day_sum,
+  (SELECT COUNT(*) FILTER (WHERE r.counted_at >= %(day)s AND r.counted_at < %(day_end)s) AS day_count,
+          COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(day)s AND r.counted_at < %(day_end)s), 0)
+            AS day_sum,
           COUNT(*) FILTER (WHERE r.counted_at >= %(month)s) AS month_count,
           COALESCE(SUM(r.amount_minor) FILTER (WHERE r.counted_at >= %(month)s), 0) AS month_sum,
           COUNT(*) FILTER (WHERE r.counted_at >= %(velocity)s) AS velocity,
@@ -212,14 +230,16 @@ FROM
     WHERE p.customer_id = %(customer)s) c,
   -- the agent's hour and day from the kept quarter hours ...
   (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE bucket >= %(hour_bucket)s), 0) AS hour_sum,
-          COALESCE(SUM(amount_minor) FILTER (WHERE bucket >= %(day_bucket)s), 0) AS day_sum
+          COALESCE(SUM(amount_minor) FILTER (WHERE bucket >= %(day_bucket)s AND bucket < %(day_end_bucket)s), 0)
+            AS day_sum
      FROM {deltas}
     WHERE currency = %(currency)s AND agent_id = %(agent)s AND bucket >= LEAST(%(hour_bucket)s, %(day_bucket)s)) ad,
   -- ... and from its refunds before the first of them (the hour's first minutes: at most a quarter
   -- hour), and those of its session
   (SELECT COALESCE(SUM(amount_minor) FILTER (WHERE counted_at >= %(hour)s AND counted_at < %(hour_bucket)s), 0)
             AS hour_edge_sum,
-          COALESCE(SUM(amount_minor) FILTER (WHERE counted_at >= %(day)s AND counted_at < %(day_bucket)s), 0)
+          COALESCE(SUM(amount_minor) FILTER (WHERE (counted_at >= %(day)s AND counted_at < %(day_bucket)s)
+                                            OR (counted_at >= %(day_end_bucket)s AND counted_at < %(day_end)s)), 0)
             AS day_edge_sum,
           COALESCE(SUM(amount_minor) FILTER (WHERE %(session)s <> '' AND agent_session_id = %(session)s), 0)
             AS session_sum
@@ -227,6 +247,7 @@ FROM
     WHERE agent_id = %(agent)s AND status = ANY({states}) AND currency = %(currency)s AND id <> %(exclude)s
       AND ((counted_at >= %(hour)s AND counted_at < %(hour_bucket)s)
            OR (counted_at >= %(day)s AND counted_at < %(day_bucket)s)
+           OR (counted_at >= %(day_end_bucket)s AND counted_at < %(day_end)s)
            OR (%(session)s <> '' AND agent_session_id = %(session)s))) a
 """.format(refund=Refund._meta.db_table, payment=Payment._meta.db_table,
            platform=PlatformState._meta.db_table, limits=RefundLimits._meta.db_table,
@@ -275,6 +296,7 @@ def _totals_params(*, payment: Payment, agent_id: str | None, session_id: str, n
             # None, not "": the currency's own buckets are kept under agent_id "" (models/totals.py)
             "agent": agent_id or None, "session": session_id or "", "states": [str(s) for s in COUNTING_STATES],
             "day": windows.day, "day_bucket": first_bucket_from(windows.day),
+            "day_end": windows.day_end, "day_end_bucket": last_bucket_until(windows.day_end),
             "hour": windows.hour, "hour_bucket": first_bucket_from(windows.hour), "month": windows.month,
             "velocity": windows.velocity, "cumulative": windows.cumulative,
             # The cumulative threshold adds up refunds of the asker's kind: agents', or people's.
@@ -300,9 +322,10 @@ def _running_totals_orm(p: dict) -> Totals:
 
     # The asker's kind, as cumulative_origin in the statement (Totals.agents_payment_minor).
     by_agents = Q(origin=Refund.Origin.AGENT if p["agent"] else Refund.Origin.STAFF)
+    today = Q(counted_at__gte=p["day"], counted_at__lt=p["day_end"])
     customer = counting.filter(payment__customer_id=p["customer"],
                                counted_at__gte=min(p["month"], p["velocity"], p["cumulative"])).aggregate(
-        day_count=Count("id", filter=Q(counted_at__gte=p["day"])), day_sum=total(Q(counted_at__gte=p["day"])),
+        day_count=Count("id", filter=today), day_sum=total(today),
         m_count=Count("id", filter=Q(counted_at__gte=p["month"])), m_sum=total(Q(counted_at__gte=p["month"])),
         velocity=Count("id", filter=Q(counted_at__gte=p["velocity"])),
         agents=total(by_agents & Q(counted_at__gte=p["cumulative"])))
@@ -315,7 +338,7 @@ def _running_totals_orm(p: dict) -> Totals:
         in_session = Q(agent_session_id=p["session"]) if p["session"] else Q(pk__in=[])
         recent = Q(counted_at__gte=min(p["day"], p["hour"]))
         agent = counting.filter(agent_id=p["agent"]).filter(recent | in_session).aggregate(
-            hour=total(Q(counted_at__gte=p["hour"])), day=total(Q(counted_at__gte=p["day"])),
+            hour=total(Q(counted_at__gte=p["hour"])), day=total(today),
             session=total(in_session))
     return Totals(
         payment_refund_count=on_payment["count"],
@@ -323,7 +346,7 @@ def _running_totals_orm(p: dict) -> Totals:
         customer_30d_count=customer["m_count"], customer_30d_minor=customer["m_sum"],
         customer_velocity_count=customer["velocity"], agent_hour_minor=agent["hour"],
         agent_day_minor=agent["day"], session_minor=agent["session"],
-        global_day_minor=counting.filter(counted_at__gte=p["day"]).aggregate(s=total(Q()))["s"],
+        global_day_minor=counting.filter(today).aggregate(s=total(Q()))["s"],
         agents_payment_minor=on_payment["agents"], agents_customer_window_minor=customer["agents"])
 
 

@@ -10,6 +10,7 @@ America/Havana, Atlantic/Azores in spring) midnight never happens: the day start
 from __future__ import annotations
 
 import functools
+import threading
 import uuid
 from datetime import UTC, date, datetime, time, timedelta
 from zoneinfo import ZoneInfo
@@ -22,7 +23,7 @@ from refundops.callers import Caller
 from refundops.models import COUNTING_STATES, Refund, RefundState
 from refundops.policy import Totals
 from refundops.services.refunds import request_refund
-from tests.conftest import make_agent_key, make_customer, make_limits, make_payment, make_rules
+from tests.conftest import make_agent_key, make_customer, make_limits, make_payment, make_rules, race
 
 LOOSE = 10**12
 
@@ -68,6 +69,41 @@ def test_a_midnight_that_happens_twice_does_not_double_a_daily_limit(db, setting
     refused = _ask(caller, payments[1], 10_000, second)
     assert (refused.status, refused.code) == (422, "DAILY_LIMIT_REACHED"), refused.body
     assert Refund.objects.filter(status__in=COUNTING_STATES).count() == 1
+
+
+@pytest.mark.parametrize("zone, day", [*FALL_BACK_AT_MIDNIGHT, ("Pacific/Kiritimati", date(2026, 12, 7))])
+@pytest.mark.parametrize("raced", [False, True])
+def test_two_refunds_either_side_of_midnight_are_each_the_first_of_its_day(transactional_db, settings, monkeypatch,
+                                                                            zone, day, raced):
+    """A decision takes its instant before it waits for its locks. One asked a microsecond before
+    local midnight (yesterday's first) that gets its locks after one asked at midnight (today's
+    first) is still yesterday's first: with one refund a day per customer, both are approved.
+    Before, yesterday's window ran on past midnight and counted today's refund: refused.
+    Each thread reads its own clock; raced: released together, or the later ask decided first."""
+    from django.utils import timezone as django_timezone
+
+    settings.TIME_ZONE = zone
+    settings.BREAKER_MIN_COUNT = 10**6
+    midnight = local(zone, day, 0)
+    with time_machine.travel(midnight - timedelta(days=1), tick=False):
+        make_limits(allowed_reasons=["duplicate"], customer_daily_count=1)
+        make_rules()
+        customer = make_customer()
+        payments = [make_payment(amount=50_000, customer=customer) for _ in range(2)]
+        caller = Caller.for_key(make_agent_key("refunds.create")[0])
+    clock, real_now = threading.local(), django_timezone.now
+    monkeypatch.setattr(django_timezone, "now", lambda: getattr(clock, "now", None) or real_now())
+    asked_at = [midnight - timedelta(microseconds=1), midnight]
+
+    def ask(i: int):
+        clock.now = asked_at[i]
+        return request_refund(caller=caller, data={"transaction_id": payments[i].pk, "reason": "duplicate",
+                                                   "amount": 1_000}, idempotency_key=uuid.uuid4().hex)
+
+    answers = race(2, ask) if raced else list(reversed([ask(1), ask(0)]))
+    assert [a.status for a in answers] == [201, 201], [a.body for a in answers]
+    counted = sorted(Refund.objects.filter(status__in=COUNTING_STATES).values_list("counted_at", flat=True))
+    assert counted == asked_at
 
 
 # ---- every window, against a plain computation over the refunds' instants ------------------------
@@ -139,9 +175,11 @@ def reference_totals(refunds: list[Refund], customers: dict[str, str], *, paymen
                      now: datetime, zone: str, velocity_hours: int, cumulative_hours: int, exclude: str) -> Totals:
     """What each limit's window holds at ``now``, summed in Python from the refunds' instants: the
     day from its first minute (reference_day_start), the others in elapsed time. A refund counts
-    in a window from its start on, also one counted after ``now`` (a clock ahead), as the services do."""
+    in an elapsed window from its start on, also one counted after ``now`` (a clock ahead), as the
+    services do; in the day until the next day's first minute (that refund is tomorrow's)."""
     now = now.astimezone(UTC)
-    day = reference_day_start(now.astimezone(ZoneInfo(zone)).date(), zone)
+    today = now.astimezone(ZoneInfo(zone)).date()
+    day, day_end = reference_day_start(today, zone), reference_day_start(today + timedelta(days=1), zone)
     hour, month = now - timedelta(hours=1), now - timedelta(hours=30 * 24)
     velocity, cumulative = now - timedelta(hours=velocity_hours), now - timedelta(hours=cumulative_hours)
     counting = [r for r in refunds if r.status in COUNTING_STATES and r.pk != exclude]
@@ -151,16 +189,18 @@ def reference_totals(refunds: list[Refund], customers: dict[str, str], *, paymen
     on_payment = [r for r in counting if r.payment_id == payment.pk]
     kind = Refund.Origin.AGENT if agent_id else Refund.Origin.STAFF  # the cumulative threshold's: the asker's
 
-    def total(rows, since=None):
-        return sum(r.amount_minor for r in rows if since is None or r.counted_at >= since)
+    def total(rows, since=None, until=None):
+        return sum(r.amount_minor for r in rows
+                   if (since is None or r.counted_at >= since) and (until is None or r.counted_at < until))
 
     return Totals(
         payment_refund_count=len(on_payment),
-        customer_day_count=sum(r.counted_at >= day for r in mine), customer_day_minor=total(mine, day),
+        customer_day_count=sum(day <= r.counted_at < day_end for r in mine),
+        customer_day_minor=total(mine, day, day_end),
         customer_30d_count=sum(r.counted_at >= month for r in mine), customer_30d_minor=total(mine, month),
         customer_velocity_count=sum(r.counted_at >= velocity for r in mine),
-        agent_hour_minor=total(agents, hour), agent_day_minor=total(agents, day), session_minor=0,
-        global_day_minor=total(in_currency, day),
+        agent_hour_minor=total(agents, hour), agent_day_minor=total(agents, day, day_end), session_minor=0,
+        global_day_minor=total(in_currency, day, day_end),
         agents_payment_minor=total([r for r in on_payment if r.origin == kind]),
         agents_customer_window_minor=total([r for r in mine if r.origin == kind], cumulative))
 
@@ -320,3 +360,28 @@ def test_the_dashboards_day_counts_its_first_hour_during_its_second(db, settings
         (usd,) = board.per_currency
         assert [(d.day, d.count, d.amount_minor) for d in usd.days] == \
             [(day - timedelta(days=1), 0, 0), (day, 1, 700)][-days:]
+
+
+@pytest.mark.parametrize("zone, day", [*FALL_BACK_AT_MIDNIGHT, ("Pacific/Chatham", date(2026, 9, 27))])
+def test_the_dashboards_day_of_a_refund_is_the_day_the_limits_counted_it_on(db, settings, zone, day):
+    """A decision takes its instant before it waits for its locks, and the refund is written after:
+    one asked a microsecond before local midnight and written just after is counted (``counted_at``)
+    on the day before, and a failed refund sent again days later is counted on the day it is sent
+    again. The dashboard's bars stand against the global daily limit: each refund is on the day the
+    limit counted it, not the day its row was written (``created_at``)."""
+    from refundops.reports import dashboard
+
+    settings.TIME_ZONE = zone
+    make_limits()
+    payment = make_payment(amount=50_000)
+    midnight = local(zone, day, 0)
+    with time_machine.travel(midnight + timedelta(milliseconds=3), tick=False):  # written after the lock wait
+        Refund.objects.create(payment=payment, amount_minor=700, currency="USD", reason="duplicate",
+                              status=RefundState.SETTLED, counted_at=midnight - timedelta(microseconds=1))
+    with time_machine.travel(midnight - timedelta(days=5), tick=False):  # failed, sent again today
+        Refund.objects.create(payment=payment, amount_minor=300, currency="USD", reason="duplicate",
+                              status=RefundState.APPROVED, counted_at=midnight + timedelta(hours=2))
+    board = dashboard(now=midnight + timedelta(hours=3), days=2)
+    (usd,) = board.per_currency
+    assert [(d.day, d.count, d.amount_minor) for d in usd.days] == \
+        [(day - timedelta(days=1), 1, 700), (day, 1, 300)]

@@ -223,7 +223,8 @@ def _orm_totals(payment, agent_id, now, exclude=""):
     return selectors._running_totals_orm({
         "exclude": exclude, "payment": payment.pk, "customer": payment.customer_id, "currency": payment.currency,
         "agent": agent_id, "session": "", "states": [str(s) for s in COUNTING_STATES],
-        "day": start_of_day(now), "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
+        "day": start_of_day(now), "day_end": selectors.limit_windows(now).day_end,
+        "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
         "velocity": now - timedelta(hours=24), "cumulative": now - timedelta(hours=24), "agent_origin": "agent"})
 
 

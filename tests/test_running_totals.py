@@ -41,6 +41,7 @@ class TotalsAgree(TestCase):
                 params = {"exclude": "", "payment": payment.pk, "customer": payment.customer_id,
                           "currency": payment.currency, "agent": agent.pk if agent else None, "session": "s1",
                           "states": [str(s) for s in COUNTING_STATES], "day": start_of_day(now),
+                          "day_end": selectors.limit_windows(now).day_end,
                           "hour": now - timedelta(hours=1), "month": now - timedelta(days=30),
                           "velocity": now - timedelta(hours=24), "cumulative": now - timedelta(hours=36),
                           "agent_origin": "agent"}
