@@ -12,6 +12,11 @@ from pathlib import Path
 
 import environ
 from kombu import Exchange, Queue
+from django.core.checks.security.base import (
+    SECRET_KEY_INSECURE_PREFIX,
+    SECRET_KEY_MIN_LENGTH,
+    SECRET_KEY_MIN_UNIQUE_CHARACTERS,
+)
 from django.core.exceptions import ImproperlyConfigured
 
 from refundops import logs
@@ -32,14 +37,25 @@ PUBLISHED_SECRET_KEYS = (DEV_SECRET_KEY, "change-me-in-production")
 
 
 def _weak_secret_key(key: str) -> bool:
-    """Short, generated for development (``django-insecure-``), or published here."""
-    return len(key) < 50 or key.startswith("django-insecure") or key in PUBLISHED_SECRET_KEYS
+    """Short, of few distinct characters (``'ab' * 25``), generated for development
+    (``django-insecure-``), or published here: Django's deploy check's rule (security.W009), plus ours."""
+    return (len(key) < SECRET_KEY_MIN_LENGTH or len(set(key)) < SECRET_KEY_MIN_UNIQUE_CHARACTERS
+            or key.startswith(SECRET_KEY_INSECURE_PREFIX) or key in PUBLISHED_SECRET_KEYS)
 
 
 if PRODUCTION and _weak_secret_key(env("DJANGO_SECRET_KEY", default="")):
     raise ImproperlyConfigured(
         "REFUNDOPS_ENV=production needs DJANGO_SECRET_KEY: a long random value of your own (50 characters or "
         "more, e.g. python -c 'import secrets; print(secrets.token_urlsafe(50))'), never a published one.")
+# A fallback still verifies sessions and signed values (a forged admin session signed with the
+# published key would pass): held to the same rule. The message names the position, never the key.
+_weak_fallbacks = [str(n) for n, key in enumerate(env.list("DJANGO_SECRET_KEY_FALLBACKS", default=[]), 1)
+                   if _weak_secret_key(key)]
+if PRODUCTION and _weak_fallbacks:
+    raise ImproperlyConfigured(
+        f"REFUNDOPS_ENV=production refuses DJANGO_SECRET_KEY_FALLBACKS entry {', '.join(_weak_fallbacks)} (counting "
+        "from 1): each must be a long random key that was yours (50+ characters, 5+ distinct), never a published "
+        "one; drop it from the list.")
 
 DEBUG = env.bool("DJANGO_DEBUG", default=False)
 SECRET_KEY = env("DJANGO_SECRET_KEY", default=DEV_SECRET_KEY)

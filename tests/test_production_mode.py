@@ -53,6 +53,27 @@ def test_production_mode_refuses_a_published_or_weak_secret_key(published):
     assert refused.returncode != 0 and "DJANGO_SECRET_KEY" in refused.stderr, refused.stderr[-2000:]
 
 
+@pytest.mark.parametrize("low_entropy", ["a" * 50, "ab" * 25, "abcd" * 20])
+def test_production_mode_refuses_a_long_secret_key_of_few_distinct_characters(low_entropy):
+    """Length alone let ``'a' * 50`` through; Django's deploy check wants 5 distinct characters too."""
+    refused = run("manage.py", "check", REFUNDOPS_ENV="production", DJANGO_SECRET_KEY=low_entropy)
+    assert refused.returncode != 0, refused.stdout
+    assert "DJANGO_SECRET_KEY" in refused.stderr.strip().splitlines()[-1], refused.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fallback", ["dev-only-insecure-secret-key-change-me", "change-me-in-production", "a" * 50,
+                                      "short"])
+def test_production_mode_refuses_a_published_or_weak_fallback_key(fallback):
+    """A fallback still verifies sessions and signed values: the published key there signs in anyone."""
+    refused = run("manage.py", "check", REFUNDOPS_ENV="production", DJANGO_SECRET_KEY=a_secret(),
+                  DJANGO_SECRET_KEY_FALLBACKS=f"{a_secret()},{fallback}")
+    assert refused.returncode != 0, refused.stdout
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "DJANGO_SECRET_KEY_FALLBACKS" in last and fallback not in last, refused.stderr[-2000:]
+    assert run("manage.py", "check", REFUNDOPS_ENV="production", DJANGO_SECRET_KEY=a_secret(),
+               DJANGO_SECRET_KEY_FALLBACKS=f"{a_secret()},{a_secret()}").returncode == 0
+
+
 @pytest.mark.parametrize("sandbox_secret", ["", "whsec_sandbox_dev"])
 def test_the_sandbox_is_never_on_in_production_with_a_published_or_missing_secret(sandbox_secret):
     refused = run("manage.py", "check", REFUNDOPS_ENV="production", DJANGO_SECRET_KEY=a_secret(),
