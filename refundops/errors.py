@@ -48,6 +48,7 @@ ERROR_STATUS: dict[str, int] = {
     "DISCREPANCY_NOT_FOUND": 404,
     "DISCREPANCY_NOT_OPEN": 409,
     "RESOLUTION_NOT_AUTHORIZED": 403,
+    "INTERNAL_ERROR": 500,  # a bug of ours: the answer names the request id to quote, never internals
 }
 
 

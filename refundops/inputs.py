@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,18 +56,50 @@ def load_json_body(raw: bytes | str, *, max_bytes: int = MAX_BODY_BYTES) -> Any:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+UNSTORABLE_TEXT = "text must not contain NUL (\\u0000) characters or unpaired surrogates (\\ud800-\\udfff)"
+UNSTORABLE_NUMBER = "numbers must be finite: NaN and Infinity are not JSON numbers"
 
 
-def has_nul(data: Any) -> bool:
-    """PostgreSQL text and JSON cannot hold U+0000, nor an unpaired surrogate (JSON's ``\\ud800``
-    escapes spell one; UTF-8 cannot encode it): such a body is refused, never stored."""
-    if isinstance(data, str):
-        return "\x00" in data or (not data.isascii() and _SURROGATE.search(data) is not None)
-    if isinstance(data, Mapping):
-        return any(has_nul(k) or has_nul(v) for k, v in data.items())
-    if isinstance(data, list):
-        return any(has_nul(v) for v in data)
-    return False
+def unstorable(data: Any) -> str | None:
+    """Why PostgreSQL could not store ``data`` as text or jsonb, or None: a U+0000, an unpaired
+    surrogate (JSON's ``\\ud800`` escapes spell one; UTF-8 cannot encode it), or a float that is
+    NaN or infinite (MCP's JSON reader, like Python's, accepts ``NaN`` and ``Infinity``). Such a
+    request is refused, never stored."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value or (not value.isascii() and _SURROGATE.search(value) is not None):
+                return UNSTORABLE_TEXT
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                return UNSTORABLE_NUMBER
+        elif isinstance(value, Mapping):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return None
+
+
+IDEMPOTENCY_KEY_MAX = 255  # characters: the column every record of a key keeps it in
+
+
+def recorded_key(key: str) -> str:
+    """The idempotency key as a verdict keeps it: none when it is longer than any key can be
+    (that request is refused with IDEMPOTENCY_KEY_REQUIRED, or for its body first)."""
+    return key if len(key) <= IDEMPOTENCY_KEY_MAX else ""
+
+
+def key_problem(key: str) -> str | None:
+    """What is wrong with an ``Idempotency-Key`` (REST header, MCP ``idempotency_key``), or None."""
+    if not key:
+        return ("Send an 'Idempotency-Key' header (at most 255 characters, e.g. a UUID) with every "
+                "POST, and reuse it when you retry the same request.")
+    if len(key) > IDEMPOTENCY_KEY_MAX:
+        return (f"Idempotency-Key: {len(key)} characters is too long; send at most {IDEMPOTENCY_KEY_MAX} "
+                "(e.g. a UUID), and reuse it when you retry the same request.")
+    return None
 
 
 # Every id we issue is "<prefix>_<hex>" and at most 40 characters (audit.ids.new_id); anything

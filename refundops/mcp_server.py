@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from mcp.server.context import ServerRequestContext
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from mcp_types import (
+    INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
     CallToolRequestParams,
@@ -44,19 +46,23 @@ from mcp_types import (
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from processors.bodies import depth_exceeds, json_too_deep
 
 from refundops.access import authenticate_key, require_capability
 from refundops.answers import Answer, error_answer
 from refundops.callers import Caller
 from refundops.errors import ApiError
 from refundops.api.errors import record_refused_body
-from refundops.inputs import MAX_BODY_BYTES, ValidationFailed, reject_unknown, text
+from refundops.inputs import MAX_BODY_BYTES, MAX_JSON_DEPTH, ValidationFailed, reject_unknown, text
+from refundops.logs import REQUEST_ID_HEADER, bind_request_id
 from refundops.models import AgentKey, Capability
 from refundops.ratelimit import check_rate_limits
 from refundops.services import disputes, payments, refunds
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # The key for one MCP request, authenticated; raises ApiError UNAUTHENTICATED. Runs in the
 # request's Django thread, so it may use the ORM.
@@ -64,6 +70,12 @@ KeyResolver = Callable[[ServerRequestContext[Any, Any]], AgentKey]
 
 MCP_PATH = "/mcp"
 KEY_STATE = "refundops_agent_key"  # where the HTTP guard leaves the key it authenticated
+REQUEST_ID_STATE = "refundops_request_id"  # and the request's id (X-Request-ID, taken or made)
+# A JSON-RPC message holds a call's arguments two levels down ({"params": {"arguments": …}}): the
+# arguments count their depth from 1, as a REST body does (MAX_JSON_DEPTH).
+ENVELOPE_DEPTH = 2
+TOO_DEEP = (f"body: JSON nested more than {MAX_JSON_DEPTH} levels deep (a tool's arguments count as level 1, "
+            "as a REST body does); send a flatter request.")
 
 
 # -- running Django code from the SDK's event loop ------------------------------------------------
@@ -331,13 +343,38 @@ def _result(answer: Answer) -> CallToolResult:
                           is_error=not answer.ok)
 
 
-def _answer(call: Callable[[], Answer]) -> Answer:
+def _answer(call: Callable[[], Answer], *, request_id: str, tool: str) -> Answer:
+    bind_request_id(request_id)  # this thread's log lines carry it
     try:
         return call()
     except ApiError as error:
         return Answer(error.status, error.body(), error.headers)
     except ValidationFailed as failed:
         return error_answer("VALIDATION_ERROR", failed.message, verdict_id=None, field=failed.field)
+    except Exception:  # a bug of ours: logged whole, and the agent is told only what to quote
+        log.exception("MCP tool %s failed (request %s)", tool, request_id)
+        return internal_error(request_id)
+
+
+def internal_error(request_id: str) -> Answer:
+    return error_answer("INTERNAL_ERROR", f"Something went wrong on our side; nothing was decided about your "
+                                          f"request. Try again later, or quote request id {request_id} to "
+                                          f"support.", verdict_id=None, request_id=request_id)
+
+
+def _request_id(ctx: ServerRequestContext[Any, Any]) -> str:
+    """The HTTP request's id (AgentKeyGuard's), or a new one for a call over stdio or in process."""
+    request = ctx.request
+    state = request.scope.get("state", {}) if request is not None else {}
+    return state.get(REQUEST_ID_STATE) or uuid.uuid4().hex
+
+
+def _refuse_too_deep(key: AgentKey, operation: str) -> ApiError:
+    """PAYLOAD_TOO_LARGE for arguments nested past the cap, recorded as REST records it."""
+    error = ApiError("PAYLOAD_TOO_LARGE", TOO_DEEP, field="body")
+    error.verdict_id = record_refused_body(error, key=key, operation=operation, idempotency_key="",
+                                           content_length="").id
+    return error
 
 
 def _session_id(arguments: dict[str, Any]) -> str | None:
@@ -355,11 +392,17 @@ def build_server(resolve_key: KeyResolver) -> Server[Any]:
 
     async def list_tools(ctx: ServerRequestContext[Any, Any],
                          params: PaginatedRequestParams | None) -> ListToolsResult:
+        request_id = _request_id(ctx)
+
         def allowed() -> list[Tool]:
             try:
                 return _allowed_tools(resolve_key(ctx))
             except ApiError as error:
                 raise MCPError(INVALID_REQUEST, error.message, data=error.body()) from error
+            except Exception as error:  # as a tool's: never internals
+                log.exception("MCP tools/list failed (request %s)", request_id)
+                body = internal_error(request_id).body
+                raise MCPError(INTERNAL_ERROR, body["error"]["message"], data=body) from error
         # Never cached by the client: the list changes when a capability is granted or revoked.
         return ListToolsResult(tools=await in_django(allowed), ttl_ms=0, cache_scope="private")
 
@@ -376,8 +419,11 @@ def build_server(resolve_key: KeyResolver) -> Server[Any]:
             caller = Caller.for_key(key)
             check_rate_limits(caller=caller, moves_money=spec.moves_money,
                               session_id=_session_id(arguments) if spec.moves_money else None)
+            if depth_exceeds(arguments, MAX_JSON_DEPTH):  # over HTTP AgentKeyGuard refused it already
+                raise _refuse_too_deep(key, f"MCP {spec.tool.name}")
             return spec.run(caller, arguments)
-        return _result(await in_django(lambda: _answer(run)))
+        request_id = _request_id(ctx)
+        return _result(await in_django(lambda: _answer(run, request_id=request_id, tool=spec.tool.name)))
 
     def input_schema(name: str) -> dict[str, Any] | None:
         spec = TOOLS_BY_NAME.get(name)
@@ -401,6 +447,9 @@ class AgentKeyGuard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        request_id = bind_request_id(headers.get("x-request-id"))
+        scope.setdefault("state", {})[REQUEST_ID_STATE] = request_id
+        send = _with_request_id(send, request_id)
         domain, _ = split_domain_port(headers.get("host", ""))
         # Django's own rule: with DEBUG on and no ALLOWED_HOSTS, localhost is allowed.
         allowed = settings.ALLOWED_HOSTS or ([".localhost", "127.0.0.1", "[::1]"] if settings.DEBUG else [])
@@ -418,9 +467,12 @@ class AgentKeyGuard:
             return
         scope.setdefault("state", {})[KEY_STATE] = key
         body = await _read_capped(receive, headers)
-        if body is None:
-            error = ApiError("PAYLOAD_TOO_LARGE", f"body: over {MAX_BODY_BYTES} bytes; send a smaller request.",
-                             field="body")
+        # Nested past the cap: refused here, as REST refuses it, before the SDK's reader (which
+        # answers -32700 past its own recursion limit and hands anything shallower on).
+        message = (f"body: over {MAX_BODY_BYTES} bytes; send a smaller request." if body is None
+                   else TOO_DEEP if json_too_deep(body, MAX_JSON_DEPTH + ENVELOPE_DEPTH) else None)
+        if message is not None:
+            error = ApiError("PAYLOAD_TOO_LARGE", message, field="body")
             verdict = await in_django(lambda: record_refused_body(
                 error, key=key, operation=f"{scope.get('method', 'POST')} {MCP_PATH}", idempotency_key="",
                 content_length=headers.get("content-length", "")))
@@ -428,6 +480,16 @@ class AgentKeyGuard:
             await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
             return
         await self.app(scope, _replaying(body, receive), send)
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    """``send`` that labels the answer with its request id, as every Django answer is labelled."""
+    async def labelled(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []),
+                                              (REQUEST_ID_HEADER.lower().encode(), request_id.encode())]}
+        await send(message)
+    return labelled
 
 
 async def _read_capped(receive: Receive, headers: Headers) -> bytes | None:

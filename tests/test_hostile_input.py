@@ -90,3 +90,93 @@ def test_a_webhook_body_over_the_cap_is_413_and_recorded_as_a_prefix(web, gatewa
     assert response.status_code == 413 and response.json()["error"]["code"] == "payload_too_large"
     event = InboundEvent.objects.get(processor="stripe", verified=False)
     assert len(event.payload) <= 4096 and event.payload_bytes == len(body)
+
+
+# -- numbers JSON has no word for, and keys longer than any column (issue 28, finding 6) ------------
+
+def _posts(world) -> dict[str, tuple[str, dict]]:
+    """Every POST of the API, each with a body that would otherwise be decided on."""
+    return {
+        "refund": ("/api/v1/refunds", {"transaction_id": world.payment.pk, "reason": "duplicate", "amount": 100}),
+        "check": ("/api/v1/refunds/check", {"transaction_id": world.payment.pk, "reason": "duplicate", "amount": 100}),
+        "void": (f"/api/v1/payments/{world.authorization.pk}/void", {"note": "n"}),
+        "capture": (f"/api/v1/payments/{world.authorization.pk}/capture", {"amount": 100}),
+        "link": ("/api/v1/payment-links", {"transaction_id": world.authorization.pk, "template": world.template.pk,
+                                           "amount": 100}),
+        "evidence": (f"/api/v1/disputes/{world.dispute.pk}/evidence-drafts", {"summary": "s"}),
+    }
+
+
+POSTS = ["refund", "check", "void", "capture", "link", "evidence"]
+
+
+@pytest.fixture
+def world(policy, gateways):
+    from tests.test_capabilities import build_world
+    return build_world()
+
+
+def _stored_rows() -> dict[str, int]:
+    from refundops.models import DisputeEvidenceDraft, IdempotencyRecord, PaymentLink, Refund
+    return {model.__name__: model.objects.count() for model in (Refund, IdempotencyRecord, PaymentLink,
+                                                                DisputeEvidenceDraft)}
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize("operation", POSTS)
+def test_a_number_json_cannot_spell_is_a_validation_error_and_stores_only_the_refusal(api, world, operation, number):
+    from audit.models import Verdict
+    path, body = _posts(world)[operation]
+    text = json.dumps({**body, "note": "__N__"}).replace('"__N__"', number)
+    before = _stored_rows()
+    response = api.post(path, data=text, content_type="application/json", HTTP_IDEMPOTENCY_KEY="nan-key")
+    assert response.status_code == 400, response.content[:300]
+    error = response.json()["error"]
+    assert error["code"] == "VALIDATION_ERROR" and "NaN" in error["message"] and error["field"] == "body", error
+    assert Verdict.objects.get(pk=error["verdict_id"]).code == "VALIDATION_ERROR"
+    assert _stored_rows() == before
+
+
+@pytest.mark.parametrize("valid_body", [True, False], ids=["valid-body", "invalid-body"])
+@pytest.mark.parametrize("operation", POSTS)
+def test_an_idempotency_key_longer_than_its_column_is_a_client_error(api, world, operation, valid_body):
+    from audit.models import Verdict
+    path, body = _posts(world)[operation]
+    before = _stored_rows()
+    response = api.post(path, data=json.dumps(body if valid_body else {**body, "unknown_field": 1}),
+                        content_type="application/json", HTTP_IDEMPOTENCY_KEY="k" * 300)
+    error = response.json()["error"]
+    assert response.status_code == 400, response.content[:300]
+    assert error["code"] == ("IDEMPOTENCY_KEY_REQUIRED" if valid_body else "VALIDATION_ERROR"), error
+    if valid_body:
+        assert "255" in error["message"] and "300" in error["message"], error
+    verdict = Verdict.objects.get(pk=error["verdict_id"])
+    assert verdict.code == error["code"] and verdict.idempotency_key == ""
+    assert _stored_rows() == before
+
+
+def test_mcp_in_process_refuses_arguments_nested_past_the_cap_as_rest_does(agent_key, policy):
+    """Over stdio (and in process) no HTTP guard parses the message: the tool call refuses it."""
+    from audit.models import Verdict
+    from tests.test_mcp import call, error_of
+    arguments = {"transaction_id": "txn_x", "reason": "duplicate", "idempotency_key": "deep"}
+    deep: dict = {"a": 1}
+    for _ in range(31):  # the arguments are level 1: agent at level 2 holds 31 more
+        deep = {"a": deep}
+    error = error_of(call(agent_key[1], "create_refund", {**arguments, "agent": deep}))
+    assert error["code"] == "PAYLOAD_TOO_LARGE", error
+    assert Verdict.objects.get(pk=error["verdict_id"]).code == "PAYLOAD_TOO_LARGE"
+
+
+def test_mcp_in_process_answers_a_bug_as_internal_error_without_its_text(agent_key, policy, monkeypatch):
+    from refundops.services import refunds
+    from tests.test_mcp import call, error_of
+
+    def broken(**kwargs):
+        raise RuntimeError("psycopg: relation refundops_refund column secret_note")
+
+    monkeypatch.setattr(refunds, "refund_detail", broken)
+    result = call(agent_key[1], "get_refund", {"refund_id": "rf_1"})
+    error = error_of(result)
+    assert error["code"] == "INTERNAL_ERROR" and error["request_id"] in error["message"], error
+    assert "psycopg" not in json.dumps(result.model_dump(mode="json"))

@@ -17,7 +17,7 @@ from refundops.api import schema
 from refundops.api.schema import KEY_CHECKS, POST_CHECKS
 from refundops.callers import Caller
 from refundops.errors import ApiError
-from refundops.inputs import MAX_BODY_BYTES, has_nul, load_json_body
+from refundops.inputs import MAX_BODY_BYTES, load_json_body, unstorable
 from refundops.models import Capability
 from refundops.ratelimit import AgentRateThrottle
 from refundops.services import disputes, payments, refunds
@@ -69,8 +69,9 @@ class JSONBodyParser(JSONParser):
             raise ApiError("PAYLOAD_TOO_LARGE", f"body: {exc}; send a smaller request.", field="body") from None
         except ValueError as exc:
             raise ParseError(f"JSON parse error - {exc}") from None
-        if has_nul(data):
-            raise ParseError("text must not contain NUL (\\u0000) characters or unpaired surrogates (\\ud800-\\udfff)")
+        problem = unstorable(data)
+        if problem:
+            raise ParseError(problem)
         return data
 
 

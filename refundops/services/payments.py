@@ -45,10 +45,12 @@ from refundops.inputs import (
     amount,
     could_be_id,
     for_the_record,
-    has_nul,
+    key_problem,
+    recorded_key,
     reject_unknown,
     require_object,
     text,
+    unstorable,
 )
 from refundops.locks import lock_payment
 from refundops.models import Payment, PaymentLink, PaymentLinkTemplate, PaymentOperation
@@ -69,7 +71,7 @@ FollowUp = Callable[[Callable[[Answer], None]], Answer]
 
 def verdict_base(*, caller: Caller, operation: str, data: Any, idempotency_key: str,
                  path: Mapping[str, str]) -> dict[str, Any]:
-    return {"operation": operation, "idempotency_key": idempotency_key,
+    return {"operation": operation, "idempotency_key": recorded_key(idempotency_key),
             "request": for_the_record({"path": dict(path), "body": data}), **caller.verdict_fields()}
 
 
@@ -98,8 +100,9 @@ def guarded_operation(*, caller: Caller, operation: str, data: Any, idempotency_
     all in one transaction with the key's claim; then the follow-up, if any, outside it.
     ``settle_replay``: for a first answer that was not final (an outcome unknown), the answer now,
     once settled; it replaces the stored one, so the retry learns what happened."""
-    if has_nul(data) or has_nul(dict(path)) or has_nul(idempotency_key):
-        message = "body: text must not contain NUL (\\u0000) characters or unpaired surrogates (\\ud800-\\udfff)"
+    problem = unstorable(data) or unstorable(dict(path)) or unstorable(idempotency_key)
+    if problem:
+        message = f"body: {problem}"
         base = verdict_base(caller=caller, operation=operation, data={}, idempotency_key="", path={})
         return refuse(base, "VALIDATION_ERROR", message, field="body")
     base = verdict_base(caller=caller, operation=operation, data=data, idempotency_key=idempotency_key,
@@ -108,10 +111,9 @@ def guarded_operation(*, caller: Caller, operation: str, data: Any, idempotency_
         ask = parse(data)
     except ValidationFailed as failed:
         return refuse(base, "VALIDATION_ERROR", failed.message, field=failed.field)
-    if not idempotency_key or len(idempotency_key) > 255:
-        return refuse(base, "IDEMPOTENCY_KEY_REQUIRED",
-                      "Send an 'Idempotency-Key' header (at most 255 characters, e.g. a UUID) with every "
-                      "POST, and reuse it when you retry the same request.")
+    key_message = key_problem(idempotency_key)
+    if key_message:
+        return refuse(base, "IDEMPOTENCY_KEY_REQUIRED", key_message)
     # The path is part of the request: one key for two payments is two different requests.
     scope, digest = caller.idempotency_scope, idempotency.request_hash(operation, [dict(path), data])
     replay = idempotency.find(scope, idempotency_key, digest)

@@ -20,7 +20,16 @@ from refundops import batching, breaker, idempotency, outbound, outbox
 from refundops.answers import Answer, error_answer, refund_json, suggested_message
 from refundops.callers import Caller
 from refundops.errors import ApiError
-from refundops.inputs import RefundInput, ValidationFailed, could_be_id, for_the_record, has_nul, parse_refund
+from refundops.inputs import (
+    RefundInput,
+    ValidationFailed,
+    could_be_id,
+    for_the_record,
+    key_problem,
+    parse_refund,
+    recorded_key,
+    unstorable,
+)
 from refundops.locks import lock_scopes, slots_for
 from refundops.models import (RESERVING_STATES, Customer, LedgerDiscrepancy, Payment, PolicyDraft, Refund,
                               RefundState)
@@ -49,11 +58,12 @@ def check_refund(*, caller: Caller, data: Any, idempotency_key: str) -> Answer:
 
 def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -> Answer:
     operation = CHECK if dry_run else CREATE
-    base = {"operation": operation, "dry_run": dry_run, "idempotency_key": idempotency_key,
+    base = {"operation": operation, "dry_run": dry_run, "idempotency_key": recorded_key(idempotency_key),
             "request": for_the_record(data if isinstance(data, dict) else {"body": data}),
             **caller.verdict_fields()}
-    if has_nul(data) or has_nul(idempotency_key):
-        message = "body: text must not contain NUL (\\u0000) characters or unpaired surrogates (\\ud800-\\udfff)"
+    problem = unstorable(data) or unstorable(idempotency_key)
+    if problem:
+        message = f"body: {problem}"
         verdict = Verdict.objects.create(**{**base, "request": {}, "idempotency_key": ""},
                                          outcome=Verdict.Outcome.DENIED, code="VALIDATION_ERROR", message=message)
         return error_answer("VALIDATION_ERROR", message, verdict_id=verdict.id, field="body")
@@ -65,9 +75,8 @@ def _decide(*, caller: Caller, data: Any, idempotency_key: str, dry_run: bool) -
                                          message=failed.message)
         return error_answer("VALIDATION_ERROR", failed.message, verdict_id=verdict.id, field=failed.field)
 
-    if not idempotency_key or len(idempotency_key) > 255:
-        message = ("Send an 'Idempotency-Key' header (at most 255 characters, e.g. a UUID) with every "
-                   "POST, and reuse it when you retry the same request.")
+    message = key_problem(idempotency_key)
+    if message:
         verdict = Verdict.objects.create(**base, outcome=Verdict.Outcome.DENIED, code="IDEMPOTENCY_KEY_REQUIRED",
                                          message=message)
         return error_answer("IDEMPOTENCY_KEY_REQUIRED", message, verdict_id=verdict.id)
