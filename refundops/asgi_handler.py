@@ -14,20 +14,33 @@ is whole (a ``ThreadSensitiveContext`` on it: a streamed CSV export still reads 
 and keeps the thread until it is sent); the body is read, and a whole response sent, on the loop.
 Past that many, requests wait on the loop for one in the order they came: a worker runs at most
 ``threads`` requests' Python at once, rather than every request its connections bring, each in a
-thread of its own contending for the GIL and the pool."""
+thread of its own contending for the GIL and the pool.
+
+No body over ``REQUEST_MAX_BODY_BYTES`` is read (refundops.middleware.BodyLimitMiddleware says why):
+a declared length over it is answered 413 before reading, a chunked body at the byte that passes it."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import tempfile
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
+from django.conf import settings
 from django.core import signals
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.exceptions import RequestAborted
 from django.http import FileResponse
 from django.urls import set_script_prefix
+
+from refundops.logs import REQUEST_ID_HEADER
+from refundops.middleware import too_large_response
+
+
+class BodyOverLimit(Exception):
+    """The body passed REQUEST_MAX_BODY_BYTES while being read."""
 
 
 class Threads:
@@ -81,9 +94,15 @@ class DjangoHandler(ASGIHandler):
     async def handle(self, scope, receive, send) -> None:
         # The body is read, and a whole answer sent, on the loop: a client slow to send or to read
         # holds none of the threads (WEB_THREADS slow uploads would otherwise stop the process).
+        if _declared_length(scope) > settings.REQUEST_MAX_BODY_BYTES:
+            await self.refuse_too_large(scope, send)  # unread
+            return
         try:
             body_file = await self.read_body(receive)
         except RequestAborted:
+            return
+        except BodyOverLimit:
+            await self.refuse_too_large(scope, send)
             return
         try:
             executor = await self.threads.acquire()
@@ -98,6 +117,33 @@ class DjangoHandler(ASGIHandler):
             await self.send_response(response, send)  # whole, and closed on its thread already
         finally:
             body_file.close()
+
+    async def read_body(self, receive):
+        """Django's ``read_body``, stopping at the byte that passes ``REQUEST_MAX_BODY_BYTES``."""
+        limit, size = settings.REQUEST_MAX_BODY_BYTES, 0
+        body_file = tempfile.SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b")
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                body_file.close()
+                raise RequestAborted()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                body_file.close()
+                raise BodyOverLimit()
+            body_file.write(chunk)
+            if not message.get("more_body", False):
+                break
+        body_file.seek(0)
+        return body_file
+
+    async def refuse_too_large(self, scope, send) -> None:
+        response = too_large_response(scope.get("path", ""))
+        response[REQUEST_ID_HEADER] = uuid.uuid4().hex
+        response["Content-Length"] = str(len(response.content))
+        response["Connection"] = "close"  # the rest of the body is never read
+        await self.send_response(response, send)
 
     async def stream(self, response, receive, send) -> None:
         """A streamed response reads (a CSV export: its cursor) on the request's thread as it is
@@ -129,3 +175,10 @@ class DjangoHandler(ASGIHandler):
         if not response.streaming:
             response.close()
         return response
+
+
+def _declared_length(scope) -> int:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            return int(value) if value.isdigit() else 0
+    return 0

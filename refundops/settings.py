@@ -89,6 +89,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "refundops.logs.RequestIdMiddleware",  # first: every line a request logs carries its id
     "refundops.metrics.RequestMetricsMiddleware",  # first: counts every answer, refusals included
+    "refundops.middleware.BodyLimitMiddleware",  # before anything reads a body (WSGI; ASGI: asgi_handler)
+    "refundops.middleware.RefuseNulMiddleware",  # before any query sees a path, filter or form value
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",  # the admin's static files (not under refundops.asgi: below)
     # refundops.middleware: Django's, django-otp's and simple_history's, passed by for /api/ (key only)
@@ -393,6 +395,9 @@ REFUND_SETTLEMENT_SECONDS = {"stripe": 10 * 86400, "paypal": 7 * 86400, "sandbox
 GATEWAY_IDEMPOTENCY_KEPT_SECONDS = {"stripe": 23 * 3600, "paypal": 44 * 86400, "sandbox": 23 * 3600}
 GATEWAY_BREAKER_THRESHOLD = env.int("GATEWAY_BREAKER_THRESHOLD", default=5)
 GATEWAY_BREAKER_COOLDOWN_SECONDS = env.float("GATEWAY_BREAKER_COOLDOWN_SECONDS", default=30)
+# No request body over this is read, from anyone (413 PAYLOAD_TOO_LARGE; refundops.middleware): it
+# must exceed every route's own cap (the API's and MCP's 64 KiB, WEBHOOK_MAX_BODY_BYTES).
+REQUEST_MAX_BODY_BYTES = env.int("REQUEST_MAX_BODY_BYTES", default=1024 * 1024)
 # Inbound gateway events: a body over this is refused (413) before it is parsed or verified.
 WEBHOOK_MAX_BODY_BYTES = env.int("WEBHOOK_MAX_BODY_BYTES", default=512 * 1024)
 # Deliveries per client address and gateway per RATE_LIMIT_WINDOW_SECONDS (0: off). REMOTE_ADDR:

@@ -180,3 +180,92 @@ def test_mcp_in_process_answers_a_bug_as_internal_error_without_its_text(agent_k
     error = error_of(result)
     assert error["code"] == "INTERNAL_ERROR" and error["request_id"] in error["message"], error
     assert "psycopg" not in json.dumps(result.model_dump(mode="json"))
+
+
+# -- NUL in a page's path or query, before PostgreSQL sees it (issue 28, finding 7) ----------------
+
+@pytest.fixture
+def auditor(client):
+    from django.contrib.auth.models import User
+    from django.core.management import call_command
+    User.objects.create_user("read-only", password="pw")
+    call_command("grant_role", "read-only", "auditor", stdout=open("/dev/null", "w"))
+    client.force_login(User.objects.get(username="read-only"))
+    return client
+
+
+@pytest.mark.parametrize("url,status", [
+    ("/admin/refundops/refund/rf_%00/change/", 404),
+    ("/admin/refundops/refund/rf_%00/history/", 404),
+    ("/admin/audit/verdict/vd_%00/change/", 404),
+    ("/admin/refundops/refund/?status__exact=%00", 400),
+    ("/admin/refundops/refund/?q=%00", 400),
+    ("/admin/refundops/refund/export.csv?status__exact=%00", 400),
+    ("/admin/audit/auditentry/export.csv?q=a%00b", 400),
+    ("/admin/refundops/refund/?%00=1", 400),
+])
+def test_a_nul_in_an_admin_path_or_query_is_a_client_error_for_the_read_only_auditor(auditor, url, status):
+    response = auditor.get(url)
+    assert response.status_code == status, (response.status_code, response.content[:300])
+    error = response.json()["error"]
+    assert error["code"] == ("NOT_FOUND" if status == 404 else "VALIDATION_ERROR") and "NUL" in error["message"]
+
+
+def test_a_nul_in_an_admin_form_is_a_validation_error(client):
+    from urllib.parse import urlencode
+
+    from django.contrib.auth.models import User
+    client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
+    response = client.post("/admin/refundops/disputeevidencedraft/",
+                           urlencode({"action": "submit_to_gateway", "_selected_action": "de_\x00"}),
+                           content_type="application/x-www-form-urlencoded")
+    assert response.status_code == 400 and response.json()["error"]["code"] == "VALIDATION_ERROR"
+
+
+def test_a_nul_in_the_payment_page_link_is_not_found_without_signing_in(client):
+    response = client.get("/pay/pl_%00")
+    assert response.status_code == 404, response.content[:300]
+
+
+# -- bodies over the site's cap, refused before they are read (issue 28, finding 8; WSGI) ---------
+
+class Unread:
+    """A request body that must never be read."""
+
+    def read(self, *args):
+        raise AssertionError("the body was read")
+
+    readline = read
+
+
+class Endless:
+    """A chunked body (no Content-Length) that never ends; counts what was read."""
+
+    def __init__(self) -> None:
+        self.read_bytes = 0
+
+    def read(self, size: int = -1) -> bytes:
+        size = 65_536 if size is None or size < 0 else size
+        self.read_bytes += size
+        return b"x" * size
+
+    def readline(self, size: int = -1) -> bytes:
+        return self.read(size)
+
+
+@pytest.mark.parametrize("path", ["/api/v1/refunds", "/admin/login/", "/webhooks/stripe/", "/mcp-nowhere"])
+def test_a_declared_length_over_the_cap_is_413_before_the_body_is_read(client, settings, path):
+    response = client.generic("POST", path, b"", content_type="application/json",
+                              CONTENT_LENGTH=str(300 * 1024 * 1024), **{"wsgi.input": Unread()})
+    assert response.status_code == 413, response.content[:300]
+    error = response.json()["error"]
+    assert error["code"].upper() == "PAYLOAD_TOO_LARGE" and str(settings.REQUEST_MAX_BODY_BYTES) in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/api/v1/refunds", "/admin/login/"])
+def test_a_chunked_body_is_read_no_further_than_the_cap(client, settings, path):
+    body = Endless()
+    response = client.generic("POST", path, b"", content_type="application/json", CONTENT_LENGTH="",
+                              HTTP_TRANSFER_ENCODING="chunked", **{"wsgi.input": body})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "PAYLOAD_TOO_LARGE"
+    assert body.read_bytes <= settings.REQUEST_MAX_BODY_BYTES + 65_536

@@ -104,3 +104,52 @@ def test_mcp_arguments_at_the_cap_reach_the_service(served, policy):
                  % (payment.pk, _nested(31)))
     error = tool_error(rpc(served, raw, "create_refund", arguments))
     assert error["code"] == "VALIDATION_ERROR" and error["field"].startswith("agent."), error
+
+
+# -- bodies over the site's cap under the ASGI handler as served (issue 28, finding 8) -------------
+
+def _exchange(served: str, head: str, chunks=()) -> tuple[int, dict]:
+    """Send ``head`` (and ``chunks``) on a raw socket and read the answer: the server must answer
+    without the rest of the body, which is never sent (a server waiting for it would time out)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(served)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        sock.sendall(head.encode())
+        try:
+            for chunk in chunks:
+                sock.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and closed before we were done
+        received = b""
+        while not _whole(received):
+            data = sock.recv(65_536)
+            if not data:
+                break
+            received += data
+    head_text, _, body = received.partition(b"\r\n\r\n")
+    return int(head_text.split()[1]), json.loads(body)
+
+
+def _whole(received: bytes) -> bool:
+    head, separator, body = received.partition(b"\r\n\r\n")
+    fields = dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:] if b": " in line)
+    return bool(separator) and len(body) >= int(fields.get(b"content-length", b"0"))
+
+
+@pytest.mark.parametrize("path", ["/api/v1/refunds", "/admin/login/", "/webhooks/stripe/"])
+def test_a_declared_length_over_the_cap_is_413_before_any_of_it_is_sent(served, settings, path):
+    status, body = _exchange(served, f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                                     f"\r\nContent-Length: {300 * 1024 * 1024}\r\n\r\n")
+    assert status == 413 and body["error"]["code"].upper() == "PAYLOAD_TOO_LARGE", body
+
+
+@pytest.mark.parametrize("path", ["/api/v1/refunds", "/admin/login/"])
+def test_a_chunked_body_is_refused_at_the_cap_and_never_read_to_its_end(served, settings, path):
+    piece = b"x" * 65_536
+    chunk = b"%x\r\n" % len(piece) + piece + b"\r\n"
+    over = settings.REQUEST_MAX_BODY_BYTES // len(piece) + 2  # past the cap, and no last chunk: never ends
+    status, body = _exchange(served, f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                                     "\r\nTransfer-Encoding: chunked\r\n\r\n", [chunk] * over)
+    assert status == 413 and body["error"]["code"] == "PAYLOAD_TOO_LARGE", body
