@@ -13,6 +13,15 @@ Without the key no one can forge an entry, re-hash an edit forward or re-link a 
 not yet sealed is covered by its MAC; only deleting it before the sealer runs (seconds) goes
 unseen, and PostgreSQL refuses that DELETE to anyone short of the table's owner.
 
+Every verdict is covered too, also those no act's entry records (a dry run, a refusal before any
+refund row, a replay): the sealer first writes one ``verdicts.chained`` entry recording each
+committed verdict not yet covered (its digest under the entry's MAC) and marks those verdicts with
+the entry's uid. Nothing is added to a decision's own statements. ``verify_audit`` then fails on a
+covered verdict edited or deleted (the entry's digest), on marks that disagree with the entries'
+counts (a verdict marked covered that no entry records), and on verdicts left uncovered past the
+grace; deleting a verdict in the seconds before the sealer runs is the one act left unseen, as
+for an entry.
+
 Our own code, not a library's: no maintained package keys and seals an append-only Django table
 (django-pghistory records changes; it neither keys nor chains them).
 """
@@ -33,13 +42,15 @@ from uuid import UUID
 from django.apps import apps
 from django.conf import settings
 from django.db import connection, models, transaction
+from django.db.models import Count
 from django.utils import timezone
 
-from audit.models import AuditEntry
+from audit.models import AuditEntry, Verdict
 
 log = logging.getLogger("refundops.audit")
 
 GENESIS = "0" * 64
+VERDICTS_CHAINED = "verdicts.chained"
 _CHAIN_LOCK_ID = 0x52454655  # "REFU": held by the sealer only, never by a request
 
 
@@ -125,15 +136,47 @@ def chain_head() -> Head:
     return Head(*last) if last else Head(0, GENESIS)
 
 
+def _chain_lock() -> None:
+    if connection.vendor == "postgresql":  # SQLite's IMMEDIATE transactions serialise sealers already
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_CHAIN_LOCK_ID])
+
+
+def chain_verdicts(*, batch_size: int = 500) -> int:
+    """Record every committed verdict not yet covered in a ``verdicts.chained`` entry (one per
+    ``batch_size``) and mark each with that entry's uid; return how many were covered. The entries
+    are sealed like any other by ``seal_pending``, which runs next."""
+    covered = 0
+    while True:
+        with transaction.atomic():
+            _chain_lock()
+            batch = list(Verdict.objects.filter(chained_by__isnull=True).order_by("pk")[:batch_size])
+            if not batch:
+                return covered
+            entry = AuditEntry(created_at=timezone.now(), actor="system:sealer", action=VERDICTS_CHAINED,
+                               subject_type="verdicts", subject_id=f"{batch[0].pk}..{batch[-1].pk}"[:60],
+                               data={"count": len(batch)}, records=[record_of(v) for v in batch])
+            entry.mac = entry_mac(entry)
+            entry.save()
+            Verdict.objects.filter(pk__in=[v.pk for v in batch]).update(chained_by=entry.uid)
+        covered += len(batch)
+        if len(batch) < batch_size:
+            return covered
+
+
+def seal(*, batch_size: int = 500) -> int:
+    """What the sealer does each round: cover the new verdicts, then seal every pending entry."""
+    chain_verdicts(batch_size=batch_size)
+    return seal_pending(batch_size=batch_size)
+
+
 def seal_pending(*, batch_size: int = 500) -> int:
     """Chain every committed entry not yet sealed; return how many were sealed. An entry whose MAC
     does not verify (edited, or inserted without the key) is left out and logged; verify names it."""
     sealed, after = 0, 0
     while True:
         with transaction.atomic():
-            if connection.vendor == "postgresql":  # SQLite's IMMEDIATE transactions serialise sealers already
-                with connection.cursor() as cursor:
-                    cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_CHAIN_LOCK_ID])
+            _chain_lock()
             head = chain_head()
             batch = list(AuditEntry.objects.filter(seq__isnull=True, pk__gt=after).order_by("pk")[:batch_size])
             seq, prev, now, links = head.seq, head.hash, timezone.now(), []
@@ -241,4 +284,32 @@ def verify_chain(*, batch_size: int = 2000, head: Head | None = None,
                                  f"{settings.AUDIT_SEAL_GRACE_SECONDS} s of being written; is the sealer "
                                  f"(Celery beat, audit.tasks.seal_audit_log) running?")
         return
+    if why := _verdicts_fault(now=now):
+        yield checked, None, why
+        return
     yield checked, None, "ok"
+
+
+def _verdicts_fault(*, now: datetime | None = None) -> str:
+    """What is wrong with the verdicts' cover, or "": each entry's count (under its MAC) against
+    the verdicts marked with its uid, and verdicts left uncovered past the grace. (The digests of
+    the verdicts each entry records are checked with the chain.)"""
+    recorded = dict(AuditEntry.objects.filter(action=VERDICTS_CHAINED).values_list("uid", "data__count"))
+    marked = dict(Verdict.objects.filter(chained_by__isnull=False).order_by().values("chained_by")
+                  .annotate(n=Count("pk")).values_list("chained_by", "n"))
+    for uid, count in recorded.items():
+        if marked.get(uid, 0) != count:
+            entry = AuditEntry.objects.get(uid=uid)
+            where = f"#{entry.seq}" if entry.seq is not None else f"id {entry.pk} (unsealed)"
+            n = marked.get(uid, 0)
+            return (f"{n} {'verdict says it is' if n == 1 else 'verdicts say they are'} covered by audit entry "
+                    f"{where}, which records {count}: a verdict was marked or unmarked by hand")
+    if orphans := sum(n for uid, n in marked.items() if uid not in recorded):
+        return (f"{orphans} {'verdict says it is' if orphans == 1 else 'verdicts say they are'} covered by an "
+                f"audit entry that does not exist")
+    cutoff = (now or timezone.now()) - timedelta(seconds=settings.AUDIT_SEAL_GRACE_SECONDS)
+    if late := Verdict.objects.filter(chained_by__isnull=True, created_at__lt=cutoff).count():
+        return (f"{late} {'verdict' if late == 1 else 'verdicts'} not covered by the chain within "
+                f"{settings.AUDIT_SEAL_GRACE_SECONDS} s of being written; is the sealer (Celery beat, "
+                f"audit.tasks.seal_audit_log) running?")
+    return ""

@@ -52,14 +52,21 @@ class Verdict(models.Model):
     # enforced: {draft_id: {"kind", "outcome", "code", "hold_reasons", "amount_minor", "agrees"}}.
     shadow = models.JSONField(default=dict, blank=True)
     gateway_response = models.JSONField(default=dict, blank=True)
+    # The ``verdicts.chained`` audit entry that records this verdict (audit.chain.chain_verdicts):
+    # every verdict is covered by the chain, also one no act's entry records (a dry run, a refusal
+    # before any refund row, a replay). None for the seconds until the sealer runs.
+    chained_by = models.UUIDField(null=True, blank=True, editable=False)
 
-    # Written by the worker after the decision, so left out of the digest an audit entry keeps of
-    # the verdict; the entry recording that write carries the response in its own data.
-    UNSEALED_FIELDS = ("gateway_response",)
+    # Written after the decision (the worker's gateway response, the sealer's mark), so left out of
+    # the digest an audit entry keeps of the verdict; the entry recording the gateway response
+    # carries it in its own data, and verify_audit checks the marks against the entries.
+    UNSEALED_FIELDS = ("gateway_response", "chained_by")
 
     class Meta:
         ordering = ["-created_at"]
-        indexes = [models.Index(fields=["outcome", "created_at"])]
+        indexes = [models.Index(fields=["outcome", "created_at"]),
+                   models.Index(fields=["id"], condition=models.Q(chained_by__isnull=True),
+                                name="audit_verdict_unchained")]
 
     def __str__(self) -> str:
         return f"{self.id} {self.operation} {self.outcome}{' ' + self.code if self.code else ''}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import secrets
+import uuid
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -411,3 +412,69 @@ def test_the_canonical_spelling_of_every_kind_of_value_is_pinned():
         b'{"1":"int key","2.0":"float key","False":"bool key","None":"none key","a":[1,2,2.5,null,true,"\xc3\xa9",[3,4],'
         b'{"x":"1.5","y":["2026-01-02T01:04:05+00:00"]}],"b":"0102","d":"2026-01-02","n":{"deep":[[[1]]]},'
         b'"s":"approved","t":"01:02:00","u":"00000000-0000-0000-0000-000000000005"}')
+
+
+# Verdicts that no act's entry records (issue 28, finding 10): dry runs, refusals before a refund
+# row, replays. The sealer covers every verdict, so editing or deleting one fails verification.
+
+def _verdict_no_act_records(api, kind: str) -> Verdict:
+    payment = make_payment(amount=5_000)
+    body = {"transaction_id": payment.pk, "amount": 100, "reason": "duplicate"}
+    if kind == "dry run":
+        response = post(api, "/api/v1/refunds/check", body)
+    elif kind == "refusal":
+        response = post(api, "/api/v1/refunds", {**body, "transaction_id": "txn_missing"})
+    else:
+        post(api, "/api/v1/refunds", body, key="same")
+        post(api, "/api/v1/refunds", body, key="same")
+        return Verdict.objects.get(deduplicated=True)
+    data = response.json()
+    verdict_id = data["verdict"]["id"] if "verdict" in data else data["error"]["verdict_id"]
+    return Verdict.objects.get(pk=verdict_id)
+
+
+@pytest.mark.parametrize("kind", ["dry run", "refusal", "replay"])
+def test_a_verdict_no_act_records_is_covered_by_the_chain_edited_or_deleted(api, policy, kind):
+    verdict = _verdict_no_act_records(api, kind)
+    assert not any(r["pk"] == verdict.pk for e in AuditEntry.objects.all() for r in e.records)
+    kept = head()  # seals what is committed: the verdicts too
+    verify("--head", kept)
+    Verdict.objects.filter(pk=verdict.pk).update(message="edited by hand", amount_minor=999_999)
+    with pytest.raises(CommandError, match=rf"the verdict {verdict.pk} it records was altered"):
+        verify("--head", kept)
+    Verdict.objects.filter(pk=verdict.pk).delete()
+    with pytest.raises(CommandError, match=rf"the verdict {verdict.pk} it records is missing"):
+        verify("--head", kept)
+
+
+def test_verdicts_left_uncovered_too_long_fail_verification(api, policy, settings):
+    _verdict_no_act_records(api, "dry run")
+    verify()  # within the grace: the sealer has not run yet
+    settings.AUDIT_SEAL_GRACE_SECONDS = 0
+    with pytest.raises(CommandError, match=r"1 verdict not covered by the chain within 0 s"):
+        verify()
+    head()
+    verify()
+
+
+def test_a_verdict_marked_covered_without_an_entry_recording_it_is_caught(api, policy):
+    first = _verdict_no_act_records(api, "dry run")
+    head()
+    covering = Verdict.objects.get(pk=first.pk).chained_by
+    forged = _verdict_no_act_records(api, "refusal")  # not yet covered: marked as if it were
+    Verdict.objects.filter(pk=forged.pk).update(chained_by=covering)
+    with pytest.raises(CommandError, match=r"2 verdicts say they are covered by audit entry .* which records 1"):
+        verify()
+    Verdict.objects.filter(pk=forged.pk).update(chained_by=uuid.uuid4())
+    with pytest.raises(CommandError, match=r"1 verdict says it is covered by an audit entry that does not exist"):
+        verify()
+
+
+def test_the_sealer_task_covers_verdicts_and_a_decision_sends_no_extra_statement(api, policy):
+    verdict = _verdict_no_act_records(api, "refusal")
+    seal_audit_log()
+    entry = AuditEntry.objects.get(action="verdicts.chained")
+    assert entry.seq is not None and [r["pk"] for r in entry.records] == [verdict.pk]
+    assert Verdict.objects.get(pk=verdict.pk).chained_by == entry.uid
+    seal_audit_log()  # nothing new: no empty entry
+    assert AuditEntry.objects.filter(action="verdicts.chained").count() == 1
