@@ -15,9 +15,11 @@ from functools import partial
 import django_otp
 from django import forms
 from django.conf import settings
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.forms import AdminAuthenticationForm
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.auth.signals import user_login_failed
+from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -57,6 +59,22 @@ class StaffAuthenticationForm(AdminAuthenticationForm):
         return data
 
 
+class SelectionChecked:
+    """A changelist action on a selection holding an id no row can have ("abc" for a numeric key):
+    Django's admin filters by it as it is and answers 500 (ValueError); here nothing is done and
+    the list says why."""
+
+    def response_action(self, request, queryset):
+        try:
+            for value in request.POST.getlist(ACTION_CHECKBOX_NAME):
+                self.model._meta.pk.to_python(value)
+        except ValidationError:
+            self.message_user(request, "Nothing was done: the selection holds an id no row can have.",
+                              messages.WARNING)
+            return None  # as Django answers an empty selection: the list again
+        return super().response_action(request, queryset)
+
+
 class StaffAdminSite(admin.AdminSite):
     login_form = StaffAuthenticationForm
     login_template = "admin/roles/login.html"
@@ -64,6 +82,12 @@ class StaffAdminSite(admin.AdminSite):
     # The model list beside every page takes 300 px a 1366 px laptop needs for the tables; the
     # index and the breadcrumbs lead everywhere it did.
     enable_nav_sidebar = False
+
+    def register(self, model_or_iterable, admin_class=None, **options):
+        # Every model's admin, whoever wrote it, checks the ids its actions are given.
+        admin_class = admin_class or admin.ModelAdmin
+        checked = type(admin_class.__name__, (SelectionChecked, admin_class), {"__module__": admin_class.__module__})
+        super().register(model_or_iterable, checked, **options)
 
     def has_permission(self, request: HttpRequest) -> bool:
         return super().has_permission(request) and (

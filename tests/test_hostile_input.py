@@ -269,3 +269,20 @@ def test_a_chunked_body_is_read_no_further_than_the_cap(client, settings, path):
                               HTTP_TRANSFER_ENCODING="chunked", **{"wsgi.input": body})
     assert response.status_code == 413 and response.json()["error"]["code"] == "PAYLOAD_TOO_LARGE"
     assert body.read_bytes <= settings.REQUEST_MAX_BODY_BYTES + 65_536
+
+
+def test_a_changelist_action_on_an_id_no_row_can_have_changes_nothing_and_says_so(client):
+    from urllib.parse import urlencode
+
+    from django.contrib.auth.models import User
+
+    from refundops.models import AgentKey
+    from tests.conftest import make_agent_key
+    key, _ = make_agent_key()
+    client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
+    response = client.post("/admin/refundops/agentkey/", urlencode(
+        {"action": "revoke_selected", "_selected_action": [str(key.pk), "abc"]}, doseq=True),
+        content_type="application/x-www-form-urlencoded", follow=True)
+    assert response.status_code == 200
+    assert "id no row can have" in response.content.decode()
+    assert AgentKey.objects.get(pk=key.pk).revoked_at is None
