@@ -20,7 +20,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import unquote
-from django.core.exceptions import PermissionDenied, SuspiciousOperation
+from django.core.exceptions import PermissionDenied, SuspiciousOperation, ValidationError
 from django.core.handlers.asgi import ASGIRequest
 from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBadRequest, StreamingHttpResponse
@@ -135,6 +135,10 @@ def export_history(request: HttpRequest, model_admin, object_id: str) -> HttpRes
     opts = model._meta
     history = getattr(model, opts.simple_history_manager_attribute)
     object_id = unquote(object_id)
+    try:
+        opts.pk.to_python(object_id)
+    except ValidationError:  # "abc" for a numeric key: no row has it (a query would raise ValueError)
+        raise Http404 from None
     records = model_admin.get_history_queryset(request, history, opts.pk.attname, object_id)
     obj = model_admin.get_queryset(request).filter(pk=object_id).first()
     if obj is None:

@@ -18,9 +18,10 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.contrib.admin.utils import unquote
 from django.contrib.auth.signals import user_login_failed
 from django.core.exceptions import ValidationError
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django_otp.plugins.otp_totp.models import TOTPDevice
@@ -59,16 +60,27 @@ class StaffAuthenticationForm(AdminAuthenticationForm):
         return data
 
 
-class SelectionChecked:
-    """A changelist action on a selection holding an id no row can have ("abc" for a numeric key):
-    Django's admin filters by it as it is and answers 500 (ValueError); here nothing is done and
-    the list says why."""
+def could_be_pk(model, value: str) -> bool:
+    """Whether ``value`` could be a primary key of ``model`` ("abc" cannot be a number)."""
+    try:
+        model._meta.pk.to_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
+class IdsChecked:
+    """Ids no row can have ("abc" for a numeric key), which Django's admin and simple_history pass
+    to a query as they are (a ValueError: 500): a changelist action on such a selection does nothing
+    and the list says why; a history page for such an id is not found."""
+
+    def history_view(self, request, object_id, extra_context=None):
+        if not could_be_pk(self.model, unquote(object_id)):
+            raise Http404("No such object.")
+        return super().history_view(request, object_id, extra_context)
 
     def response_action(self, request, queryset):
-        try:
-            for value in request.POST.getlist(ACTION_CHECKBOX_NAME):
-                self.model._meta.pk.to_python(value)
-        except ValidationError:
+        if not all(could_be_pk(self.model, value) for value in request.POST.getlist(ACTION_CHECKBOX_NAME)):
             self.message_user(request, "Nothing was done: the selection holds an id no row can have.",
                               messages.WARNING)
             return None  # as Django answers an empty selection: the list again
@@ -86,7 +98,7 @@ class StaffAdminSite(admin.AdminSite):
     def register(self, model_or_iterable, admin_class=None, **options):
         # Every model's admin, whoever wrote it, checks the ids its actions are given.
         admin_class = admin_class or admin.ModelAdmin
-        checked = type(admin_class.__name__, (SelectionChecked, admin_class), {"__module__": admin_class.__module__})
+        checked = type(admin_class.__name__, (IdsChecked, admin_class), {"__module__": admin_class.__module__})
         super().register(model_or_iterable, checked, **options)
 
     def has_permission(self, request: HttpRequest) -> bool:

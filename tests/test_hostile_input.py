@@ -286,3 +286,14 @@ def test_a_changelist_action_on_an_id_no_row_can_have_changes_nothing_and_says_s
     assert response.status_code == 200
     assert "id no row can have" in response.content.decode()
     assert AgentKey.objects.get(pk=key.pk).revoked_at is None
+
+
+@pytest.mark.parametrize("url", ["/admin/refundops/agentkey/abc/history/",
+                                 "/admin/approvals/approvalauthority/abc/history/export.csv",
+                                 "/admin/refundops/refundlimits/1/delete/",
+                                 "/admin/refundops/refundlimits/abc/delete/"])
+def test_an_admin_page_for_an_id_no_row_can_have_is_a_client_answer(client, url):
+    from django.contrib.auth.models import User
+    client.force_login(User.objects.create_superuser("root", "root@example.com", "pw"))
+    response = client.get(url)
+    assert 300 <= response.status_code < 500, response.status_code
