@@ -5,7 +5,7 @@ dots) and query strings of the admin's own filters, search, ordering and paging 
 values, and changelist actions on hostile selections, as an anonymous visitor, a superuser and
 each of the five roles. None may answer 5xx (a streamed export is read to its end).
 
-Bounded for CI (FUZZ_ADMIN_EXAMPLES, default 150 requests); ``scripts/fuzz N`` runs longer."""
+Bounded for CI (FUZZ_ADMIN_EXAMPLES, default 120 requests); ``scripts/fuzz N`` runs longer."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tests.browser import populate
 
 pytestmark = pytest.mark.django_db
 
-EXAMPLES = int(os.environ.get("FUZZ_ADMIN_EXAMPLES", os.environ.get("FUZZ_EXAMPLES", "150")))
+EXAMPLES = int(os.environ.get("FUZZ_ADMIN_EXAMPLES", os.environ.get("FUZZ_EXAMPLES", "120")))
 AS = ["anonymous", "superuser", *ROLES]
 
 hostile_text = st.one_of(

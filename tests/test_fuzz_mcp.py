@@ -5,7 +5,7 @@ as Python writes them), integers past 64 bits, JSON nested past the cap, texts p
 NUL, lone surrogates, wrong types, unknown fields. None may answer 5xx, a JSON-RPC internal error or
 the contract's INTERNAL_ERROR (a bug of ours); every refusal carries a code of the contract.
 
-Bounded for CI (FUZZ_MCP_EXAMPLES per tool, default 40); ``scripts/fuzz N`` runs longer."""
+Bounded for CI (FUZZ_MCP_EXAMPLES per tool, default 15); ``scripts/fuzz N`` runs longer."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.test_fuzz_http import seeds  # noqa: F401  (real rows for generated c
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the server sees committed rows only
 
-EXAMPLES = int(os.environ.get("FUZZ_MCP_EXAMPLES", os.environ.get("FUZZ_EXAMPLES", "40")))
+EXAMPLES = int(os.environ.get("FUZZ_MCP_EXAMPLES", os.environ.get("FUZZ_EXAMPLES", "15")))
 REFUSAL_CODES = set(ERROR_STATUS) - {"INTERNAL_ERROR"}
 SEEDED = {"transaction_id": "txn_id", "refund_id": "rf_id", "dispute_id": "dp_id", "template": "template",
           "order_reference": "order_reference"}
