@@ -57,7 +57,8 @@ def pytest_configure(config):
 # rather than marked in each file so that the list is one place to read and keep short.
 SLOW_MODULES = {
     "test_admin_browser", "test_roles_browser", "test_scripts_run", "test_chaos", "test_drain",
-    "test_bench_locks", "test_bench_day_volume", "test_fuzz_http", "test_example_agent",
+    "test_bench_locks", "test_bench_day_volume", "test_fuzz_http", "test_fuzz_mcp", "test_fuzz_admin",
+    "test_example_agent",
 }
 SLOW_TESTS = {
     "test_csv_export.py::test_exporting_a_hundred_thousand_rows_streams_in_constant_memory",

@@ -55,6 +55,16 @@ def unresolved(refund: Refund, *, now=None) -> list[GatewayAttempt]:
     return list(refund.attempts.filter(Q(outcome=Outcome.UNKNOWN) | Q(outcome=Outcome.LIVE, lease_until__lte=now)))
 
 
+def still_open(refund: Refund) -> list[GatewayAttempt]:
+    """Attempts live or of unknown answer, the latest lease first."""
+    return list(refund.attempts.filter(outcome__in=(Outcome.LIVE, Outcome.UNKNOWN)).order_by("-lease_until"))
+
+
+def unresolved_of(open_ones: list[GatewayAttempt], *, now) -> list[GatewayAttempt]:
+    """:func:`unresolved`, read from :func:`still_open`'s list rather than asked again."""
+    return [a for a in open_ones if a.outcome == Outcome.UNKNOWN or a.lease_until <= now]
+
+
 def _call_may_still_be_on(now) -> Q:
     """A live attempt whose lease ran out less than a lease ago: its worker never answered, and
     may still be waiting on a slow gateway that has not acted yet. A book read now that lacks its
@@ -81,22 +91,25 @@ def key_still_kept(refund: Refund, *, now=None) -> bool:
     return first is None or first > now - timedelta(seconds=kept)
 
 
-def open_attempt(refund: Refund, *, resend_unverifiable: bool = False) -> GatewayAttempt:
+def open_attempt(refund: Refund, *, resend_unverifiable: bool = False,
+                 open_ones: list[GatewayAttempt] | None = None) -> GatewayAttempt:
     """A new live attempt for a refund whose row lock the caller holds. Refused while another
     worker's lease runs, or while an earlier answer is unknown (look it up first).
     ``resend_unverifiable``: unknown attempts already looked up in a book that cannot list every
     refund (:data:`UNVERIFIABLE`) do not stop a new call. Only the gateway's idempotency can answer
     for them: the new call carries the same key, so it answers the refund they made, or makes it;
-    only while the gateway still keeps the key (:func:`key_still_kept`)."""
+    only while the gateway still keeps the key (:func:`key_still_kept`). ``open_ones``: what
+    :func:`still_open` gave the caller under the same lock, not asked again."""
     now = timezone.now()
-    pending = list(refund.attempts.filter(outcome__in=(Outcome.LIVE, Outcome.UNKNOWN)).order_by("-lease_until"))
+    pending = list(open_ones) if open_ones is not None else still_open(refund)
     live = next((attempt for attempt in pending if attempt.outcome == Outcome.LIVE), None)
     if live is not None and live.lease_until > now:
         raise RetryLater(f"refund {refund.pk}: another worker is calling the gateway ({live.worker})",
                          retry_after=(live.lease_until - now).total_seconds())
-    if resend_unverifiable and key_still_kept(refund, now=now):
-        pending = [a for a in pending if not (a.outcome == Outcome.UNKNOWN and a.error_code == UNVERIFIABLE
-                                              and a.idempotency_key == idempotency_key(refund))]
+    unverifiable = [a for a in pending if a.outcome == Outcome.UNKNOWN and a.error_code == UNVERIFIABLE
+                    and a.idempotency_key == idempotency_key(refund)]
+    if resend_unverifiable and unverifiable and key_still_kept(refund, now=now):  # asked only when it matters
+        pending = [a for a in pending if a not in unverifiable]
     if pending:  # a live one past its lease, or an unknown one
         raise AnswerUnknown(f"refund {refund.pk}: an earlier call's answer is unknown; look it up first",
                             retry_after=0)

@@ -125,7 +125,8 @@ def _open_attempt(refund_id: str, *, payment_id: str) -> tuple[GatewayAttempt | 
     refund = _cancel_if_disputed(_lock(refund_id, payment_id=payment_id))
     if refund.status != RefundState.APPROVED:
         return None, refund
-    unresolved = attempts.unresolved(refund)
+    open_ones = attempts.still_open(refund)  # one read serves both questions below
+    unresolved = attempts.unresolved_of(open_ones, now=timezone.now())
     if unresolved and all(a.error_code == attempts.UNVERIFIABLE for a in unresolved):
         why = _why_not_sent_again(refund)
         if why:
@@ -134,8 +135,8 @@ def _open_attempt(refund_id: str, *, payment_id: str) -> tuple[GatewayAttempt | 
             # sends it once the dispute is won, if the gateway still keeps the key by then.
             raise_unverifiable(refund, why=why)
             return None, refund
-        return attempts.open_attempt(refund, resend_unverifiable=True), refund
-    return attempts.open_attempt(refund), refund
+        return attempts.open_attempt(refund, resend_unverifiable=True, open_ones=open_ones), refund
+    return attempts.open_attempt(refund, open_ones=open_ones), refund
 
 
 def _why_not_sent_again(refund: Refund) -> str:
