@@ -236,6 +236,11 @@ if env("REFUNDOPS_ENV", default="") == "production" and len(AUDIT_KEY) < 32:
                                "audit chain; keep it outside the database.")
 AUDIT_KEY = AUDIT_KEY or "dev-only-audit-key-not-secret"
 
+# The auditors' evidence pack (audit/evidence.py) is signed with an Ed25519 private key kept in this
+# file (PEM), never in the repository: `evidence_pack --new-key` writes one; the auditor keeps its
+# public half. No default: a published key would let anyone sign a pack.
+EVIDENCE_SIGNING_KEY = env("EVIDENCE_SIGNING_KEY", default="")
+
 # Embedded mode (SQLite, a filesystem broker, per-process rate limits) is for one machine trying the
 # product: production mode refuses it, so an image started without its environment says so.
 _missing_services = [name for name in ("DATABASE_URL", "REDIS_URL") if not env(name, default="")]
