@@ -1,0 +1,202 @@
+"""The auditors' evidence pack (audit/evidence.py): over seeded data with known exceptions it finds
+exactly them, and any change to the pack is caught by both verifiers (the command and the
+standalone script in examples/)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+
+from audit.chain import seal_pending
+from audit.evidence import build_pack, load_signing_key, new_signing_key, verify_pack
+from audit.models import AuditEntry, Verdict
+from processors import sandbox
+from processors.models import InboundEvent
+from refundops.models import Agent, AgentKey, GatewayAttempt, HoldRules, Refund, RefundLimits
+from refundops.services import payouts
+from tests.conftest import make_agent_key, make_limits, make_payment, make_rules, post
+
+pytestmark = pytest.mark.django_db
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "verify_evidence_pack.py"
+
+
+@pytest.fixture
+def signing(tmp_path):
+    public = new_signing_key(tmp_path / "evidence.pem")
+    (tmp_path / "evidence.pem.pub").write_bytes(public)
+    return load_signing_key(tmp_path / "evidence.pem"), tmp_path / "evidence.pem.pub"
+
+
+def _paid(payment, *, verdict=None) -> Refund:
+    refund = Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
+                                   verdict=verdict, idempotency_key="seeded")
+    Refund.objects.filter(pk=refund.pk).update(status="settled", submitted_at=timezone.now(),
+                                               settled_at=timezone.now())
+    return refund
+
+
+def seed_known_exceptions() -> dict[str, set[str]]:
+    """A period with one honest refund paid through the sandbox, and one planted exception per check."""
+    earlier = timezone.now() - timedelta(days=3)
+    make_limits(), make_rules()
+    RefundLimits.objects.update(created_at=earlier)  # in force from before the period: not its change
+    HoldRules.objects.update(created_at=earlier)
+    key, raw = make_agent_key()
+    from rest_framework.test import APIClient
+    api = APIClient()
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
+    sandbox.set_mode("up", settle_delay_seconds=0)
+    honest = post(api, "/api/v1/refunds", {"transaction_id": make_payment(amount=5_000).pk, "amount": 900,
+                                           "reason": "duplicate"}).json()["refund"]["id"]
+    payouts.submit_refund(refund_id=honest)
+    assert Refund.objects.get(pk=honest).status == "settled"
+    assert GatewayAttempt.objects.filter(refund_id=honest).exclude(idempotency_key="").exists()
+    refused = post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 100,
+                                            "reason": "duplicate", "destination": "another_card"}).json()
+    assert refused["error"]["code"] == "DESTINATION_NOT_ALLOWED"
+
+    # Planted exceptions, one or two per control.
+    v2 = make_limits(approval_threshold_minor=99_999)  # in the period, with no second person's approval
+    broad = Agent.objects.create(name="broad-agent", capabilities=["refunds.create", "payments.write"])
+    loose = AgentKey.objects.create(agent=broad, prefix="rk_loose001", key_hash="plain-text-key")
+    void_without_capability = Verdict.objects.create(operation="payment.void", outcome="approved",
+                                                     agent_id=broad.pk, key_prefix=loose.prefix,
+                                                     idempotency_key="k1")
+    no_totals = Verdict.objects.create(operation="refund.create", outcome="approved", agent_id=key.agent_id,
+                                       key_prefix=key.prefix, idempotency_key="k2", totals={})
+    elsewhere = Verdict.objects.create(operation="refund.create", outcome="held", agent_id=key.agent_id,
+                                       idempotency_key="k3", totals={"today": 1},
+                                       request={"destination": "iban:DE00"})
+    payment = make_payment(amount=9_000)
+    unverdicted = _paid(payment)
+    held = Verdict.objects.create(operation="refund.create", outcome="held", totals={"today": 1},
+                                  idempotency_key="k4")
+    never_approved = _paid(payment, verdict=held)
+    keyless = GatewayAttempt.objects.create(refund=never_approved, idempotency_key="",
+                                            lease_until=timezone.now(), outcome="succeeded")
+    InboundEvent.objects.create(processor="stripe", event_id="evt_ok", verified=True, applied_at=timezone.now())
+    InboundEvent.objects.create(processor="stripe", event_id="evt_forged_unapplied", verified=False)
+    forged = InboundEvent.objects.create(processor="stripe", event_id="evt_forged", verified=False,
+                                         applied_at=timezone.now())
+    seal_pending()
+    return {
+        "capability_list": {broad.pk}, "key_scope": {loose.prefix}, "limits": {f"USD limits v{v2.version}"},
+        "hold_rules": set(), "verdicts": {no_totals.pk}, "capability_use": {void_without_capability.pk},
+        "gateway_writes": {keyless.pk}, "paid_refunds": {unverdicted.pk, never_approved.pk},
+        "inbound_events": {str(forged.pk)}, "refund_elsewhere": {elsewhere.pk},
+        "refund_void_separate": {broad.pk}, "revocation": {"-"}, "audit_chain": set(),
+    }
+
+
+def _period():
+    now = timezone.now()
+    return now - timedelta(hours=1), now + timedelta(hours=1)
+
+
+def test_the_pack_finds_exactly_the_planted_exceptions(tmp_path, signing):
+    expected = seed_known_exceptions()
+    start, end = _period()
+    result = build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    found = {c.slug: {row_id for row_id, _ in c.exceptions} for c in result.controls}
+    assert found == expected
+    assert result.exception_count == sum(len(ids) for ids in expected.values())
+    with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
+        summary = pack.read("summary.html").decode()
+        manifest = json.loads(pack.read("manifest.json"))
+        paid = pack.read("controls/paid_refunds.csv").decode()
+        chain = pack.read("audit_chain_segment.csv").decode().splitlines()
+    for ids in expected.values():
+        for row_id in ids:
+            assert row_id in summary  # listed by id, never left out
+    assert "Held: all" in summary and "Exceptions: 2 of 3 rows" in summary
+    assert "paid without a verdict" in paid and "no person approved" in paid
+    assert set(manifest["files"]) == {f"controls/{slug}.csv" for slug in expected if slug != "audit_chain"} | {
+        "audit_chain_segment.csv", "summary.html"}
+    heads = manifest["audit_chain_heads"]
+    assert heads["verify_audit"] == "ok" and heads["start"].startswith("0:")
+    assert heads["end"].split(":")[0] == str(AuditEntry.objects.order_by("-seq").values_list("seq", flat=True)[0])
+    assert len(chain) - 1 == AuditEntry.objects.filter(seq__isnull=False).count()
+
+
+def test_formula_cells_are_defused_and_html_escaped(tmp_path, signing):
+    make_limits(), make_rules()
+    Agent.objects.create(name="=HYPERLINK(\"http://x\")<script>", capabilities=["everything"])
+    start, end = _period()
+    build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
+        agents = pack.read("controls/capability_list.csv").decode()
+        summary = pack.read("summary.html").decode()
+    assert "'=HYPERLINK" in agents and ",=HYPERLINK" not in agents
+    assert "<script>" not in summary
+
+
+def _rewrite(src: Path, dst: Path, change) -> None:
+    with zipfile.ZipFile(src) as old, zipfile.ZipFile(dst, "w") as new:
+        members = {name: old.read(name) for name in old.namelist()}
+        for name, body in change(members).items():
+            new.writestr(name, body)
+
+
+TAMPERINGS = {
+    "changed CSV": lambda m: {**m, "controls/paid_refunds.csv": m["controls/paid_refunds.csv"].replace(b"rf_", b"rX_", 1)},
+    "changed chain segment": lambda m: {**m, "audit_chain_segment.csv": m["audit_chain_segment.csv"][:-40]},
+    "changed summary": lambda m: {**m, "summary.html": m["summary.html"].replace(b"Exceptions", b"Held", 1)},
+    "removed file": lambda m: {k: v for k, v in m.items() if k != "controls/inbound_events.csv"},
+    "added file": lambda m: {**m, "controls/extra.csv": b"id\n1\n"},
+    "changed manifest": lambda m: {**m, "manifest.json": m["manifest.json"].replace(b'"exceptions"', b'"exceptionz"')},
+    "forged signature": lambda m: {**m, "manifest.sig": b"AAAA" + m["manifest.sig"][4:]},
+}
+
+
+def test_any_tampering_is_detected_by_both_verifiers(tmp_path, signing, capsys):
+    seed_known_exceptions()
+    key, public = signing
+    start, end = _period()
+    build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=key)
+    assert verify_pack(tmp_path / "pack.zip", public.read_bytes()) == []
+    call_command("verify_evidence_pack", str(tmp_path / "pack.zip"), "--public-key", str(public))
+    clean = subprocess.run([sys.executable, str(EXAMPLE), str(tmp_path / "pack.zip"), "--public-key", str(public)],
+                           capture_output=True, text=True)
+    assert clean.returncode == 0 and "verifies" in clean.stdout, clean.stderr
+    for what, change in TAMPERINGS.items():
+        bad = tmp_path / f"{what.replace(' ', '_')}.zip"
+        _rewrite(tmp_path / "pack.zip", bad, change)
+        assert verify_pack(bad, public.read_bytes()), what
+        with pytest.raises(Exception, match="does not verify"):
+            call_command("verify_evidence_pack", str(bad), "--public-key", str(public))
+        script = subprocess.run([sys.executable, str(EXAMPLE), str(bad), "--public-key", str(public)],
+                                capture_output=True, text=True)
+        assert script.returncode == 1 and script.stdout.strip(), (what, script.stdout, script.stderr)
+    other = tmp_path / "other.pem"
+    other_public = tmp_path / "other.pem.pub"
+    other_public.write_bytes(new_signing_key(other))
+    assert verify_pack(tmp_path / "pack.zip", other_public.read_bytes()) == [
+        "the signature of manifest.json does not verify with this public key"]
+
+
+def test_the_command_signs_with_a_new_key_and_exits_1_on_exceptions(tmp_path):
+    seed_known_exceptions()
+    today = timezone.now().date().isoformat()
+    with pytest.raises(SystemExit) as exited:
+        call_command("evidence_pack", "--from", today, "--to", today, "--out", str(tmp_path / "p.zip"),
+                     "--new-key", str(tmp_path / "k.pem"))
+    assert exited.value.code == 1
+    assert verify_pack(tmp_path / "p.zip", (tmp_path / "k.pem.pub").read_bytes()) == []
+    assert AuditEntry.objects.filter(action="evidence_pack.built").exists()
+
+
+def test_no_signing_key_is_refused_before_anything_is_written(tmp_path, settings):
+    from django.core.management.base import CommandError
+    settings.EVIDENCE_SIGNING_KEY = ""
+    with pytest.raises(CommandError, match="no signing key"):
+        call_command("evidence_pack", "--from", "2026-10-01", "--to", "2026-12-31", "--out", str(tmp_path / "p.zip"))
+    assert not (tmp_path / "p.zip").exists()
