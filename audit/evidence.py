@@ -250,6 +250,33 @@ def hold_rules(period: Period, control: Control):
     return _versions(period, control, HoldRules, "hold_rules", lambda r: "hold rules")
 
 
+def capabilities_and_authorities(period: Period, control: Control):
+    """Every version of an agent's capabilities and of a person's approval authority in force at some
+    moment of the period, with who changed it and why (a proposal and its approver, or a revocation)."""
+    from approvals.models import ApprovalAuthority
+    from refundops.models import Agent
+    agents = Agent.history.filter(history_date__lt=period.end)
+    if period.merchant_id:
+        agents = agents.filter(merchant_id=period.merchant_id)
+    authorities = ApprovalAuthority.history.filter(history_date__lt=period.end)
+    control.notes.append("A revocation takes effect in one step by an operator; a grant or a new authority "
+                         "goes through a proposal a second person approves, named in the change reason.")
+
+    def rows():
+        for agent_id, at, kind, caps, active, user, reason in agents.order_by("history_date", "history_id").values_list(
+                "id", "history_date", "history_type", "capabilities", "is_active", "history_user__username",
+                "history_change_reason").iterator(chunk_size=CHUNK):
+            control.rows += 1
+            yield ["agent capabilities", agent_id, at, kind, " ".join(sorted(caps or [])), active, user, reason]
+        for pk, at, kind, username, currency, limit, active, by, reason in authorities.order_by(
+                "history_date", "history_id").values_list(
+                "id", "history_date", "history_type", "user__username", "currency", "max_amount_minor", "is_active",
+                "history_user__username", "history_change_reason").iterator(chunk_size=CHUNK):
+            control.rows += 1
+            yield ["approval authority", f"{username} {currency}", at, kind, limit, active, by, reason]
+    return ["control", "subject", "from", "change", "value", "active", "changed_by", "why"], rows()
+
+
 def verdict_per_call(period: Period, control: Control):
     """Every call's verdict; a refund decision (not refused before the checks) records the running
     totals it saw."""
@@ -408,6 +435,9 @@ CONTROLS: list[tuple[str, str, str, Callable]] = [
     ("key_scope", "Restricted keys", "each key's scope and where it is stored", key_scope),
     ("limits", "Refund limits", "limits as versioned bounds, with proposer and approver", limits),
     ("hold_rules", "Hold rules", "rules as versioned bounds, with proposer and approver", hold_rules),
+    ("capabilities_and_authorities", "Capabilities and approval authorities in force",
+     "each version of an agent's capabilities and of a person's refund authority, with who changed it",
+     capabilities_and_authorities),
     ("verdicts", "A verdict per call, with running totals", "the verdict of every call and the totals it saw",
      verdict_per_call),
     ("capability_use", "Capabilities used", "no capability outside the approved list was used", capability_use),

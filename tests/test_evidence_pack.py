@@ -4,6 +4,7 @@ standalone script in examples/)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from processors import sandbox
 from processors.models import InboundEvent
 from refundops.models import Agent, AgentKey, GatewayAttempt, HoldRules, Refund, RefundLimits
 from refundops.services import payouts
-from tests.conftest import make_agent_key, make_limits, make_payment, make_rules, post
+from tests.conftest import make_agent_key, make_limits, make_payment, make_rules, make_staff, post
 
 pytestmark = pytest.mark.django_db
 
@@ -47,7 +48,7 @@ def _paid(payment, *, verdict=None) -> Refund:
 def seed_known_exceptions() -> dict[str, set[str]]:
     """A period with one honest refund paid through the sandbox, and one planted exception per check."""
     earlier = timezone.now() - timedelta(days=3)
-    make_limits(), make_rules()
+    make_limits(), make_rules(), make_staff("approver")
     RefundLimits.objects.update(created_at=earlier)  # in force from before the period: not its change
     HoldRules.objects.update(created_at=earlier)
     key, raw = make_agent_key()
@@ -90,7 +91,7 @@ def seed_known_exceptions() -> dict[str, set[str]]:
     seal_pending()
     return {
         "capability_list": {broad.pk}, "key_scope": {loose.prefix}, "limits": {f"USD limits v{v2.version}"},
-        "hold_rules": set(), "verdicts": {no_totals.pk}, "capability_use": {void_without_capability.pk},
+        "hold_rules": set(), "capabilities_and_authorities": set(), "verdicts": {no_totals.pk}, "capability_use": {void_without_capability.pk},
         "gateway_writes": {keyless.pk}, "paid_refunds": {unverdicted.pk, never_approved.pk},
         "inbound_events": {str(forged.pk)}, "refund_elsewhere": {elsewhere.pk},
         "refund_void_separate": {broad.pk}, "revocation": {"-"}, "audit_chain": set(),
@@ -114,6 +115,9 @@ def test_the_pack_finds_exactly_the_planted_exceptions(tmp_path, signing):
         manifest = json.loads(pack.read("manifest.json"))
         paid = pack.read("controls/paid_refunds.csv").decode()
         chain = pack.read("audit_chain_segment.csv").decode().splitlines()
+        in_force = pack.read("controls/capabilities_and_authorities.csv").decode()
+    assert "approval authority,approver USD" in in_force and "broad-agent" not in in_force  # ids, not names
+    assert f"agent capabilities,{Agent.objects.get(name='broad-agent').pk}" in in_force
     for ids in expected.values():
         for row_id in ids:
             assert row_id in summary  # listed by id, never left out
@@ -137,6 +141,13 @@ def test_formula_cells_are_defused_and_html_escaped(tmp_path, signing):
         summary = pack.read("summary.html").decode()
     assert "'=HYPERLINK" in agents and ",=HYPERLINK" not in agents
     assert "<script>" not in summary
+
+
+def _standalone_verifier():
+    spec = importlib.util.spec_from_file_location("verify_evidence_pack", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _rewrite(src: Path, dst: Path, change) -> None:
@@ -167,15 +178,17 @@ def test_any_tampering_is_detected_by_both_verifiers(tmp_path, signing, capsys):
     clean = subprocess.run([sys.executable, str(EXAMPLE), str(tmp_path / "pack.zip"), "--public-key", str(public)],
                            capture_output=True, text=True)
     assert clean.returncode == 0 and "verifies" in clean.stdout, clean.stderr
+    standalone = _standalone_verifier()
     for what, change in TAMPERINGS.items():
         bad = tmp_path / f"{what.replace(' ', '_')}.zip"
         _rewrite(tmp_path / "pack.zip", bad, change)
         assert verify_pack(bad, public.read_bytes()), what
         with pytest.raises(Exception, match="does not verify"):
             call_command("verify_evidence_pack", str(bad), "--public-key", str(public))
-        script = subprocess.run([sys.executable, str(EXAMPLE), str(bad), "--public-key", str(public)],
-                                capture_output=True, text=True)
-        assert script.returncode == 1 and script.stdout.strip(), (what, script.stdout, script.stderr)
+        assert standalone.problems_in(bad, public.read_bytes()), what
+    script = subprocess.run([sys.executable, str(EXAMPLE), str(bad), "--public-key", str(public)],
+                            capture_output=True, text=True)  # the script as an auditor runs it, on the last one
+    assert script.returncode == 1 and "does not verify" in script.stdout, (script.stdout, script.stderr)
     other = tmp_path / "other.pem"
     other_public = tmp_path / "other.pem.pub"
     other_public.write_bytes(new_signing_key(other))
