@@ -1,0 +1,66 @@
+"""``manage.py revocation_drill``: it revokes for real and sees the next REST and MCP call refused;
+a revocation that did not take is a failed drill (exit 1), and either way nothing usable is left."""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import timedelta
+
+import pytest
+from django.core.management import call_command
+from django.utils import timezone
+
+from audit.chain import seal_pending
+from audit.evidence import build_pack, load_signing_key, new_signing_key
+from audit.models import AuditEntry
+from refundops.models import Agent, AgentKey, GatewayAttempt, Refund
+from refundops.services import agents
+
+pytestmark = pytest.mark.django_db
+
+
+def _drill(*options: str) -> tuple[int, dict]:
+    out = io.StringIO()
+    try:
+        call_command("revocation_drill", "--json", *options, stdout=out)
+        code = 0
+    except SystemExit as exited:
+        code = exited.code
+    return code, json.loads(out.getvalue())
+
+
+def test_the_drill_revokes_for_real_and_rest_and_mcp_are_refused(tmp_path):
+    code, result = _drill()
+    assert code == 0 and result["passed"] is True
+    got = [(s["channel"], s["got"]) for s in result["steps"]]
+    assert got == [("rest", "PAYMENT_NOT_FOUND"), ("mcp", "PAYMENT_NOT_FOUND"),
+                   ("rest", "CAPABILITY_NOT_GRANTED"), ("mcp", "CAPABILITY_NOT_GRANTED"),
+                   ("rest", "UNAUTHENTICATED"), ("mcp", "UNAUTHENTICATED")]
+    assert all(s["ms_since_revocation"] >= 0 for s in result["steps"][2:])
+    agent = Agent.objects.get(pk=result["agent_id"])
+    assert agent.merchant.name == "Revocation drill" and not agent.is_active
+    assert agent.capabilities == ["refunds.create"]
+    assert AgentKey.objects.get(prefix=result["key_prefix"]).revoked_at is not None
+    assert not Refund.objects.exists() and not GatewayAttempt.objects.exists()  # no money moved
+    entry = AuditEntry.objects.get(action="revocation.drill")
+    assert entry.data["passed"] is True and entry.subject_id == agent.pk
+    # The evidence pack reads it: a passed drill is no exception.
+    pem = tmp_path / "k.pem"
+    new_signing_key(pem)
+    seal_pending()
+    now = timezone.now()
+    pack = build_pack(start=now - timedelta(hours=1), end=now + timedelta(hours=1), out=tmp_path / "p.zip",
+                      signing_key=load_signing_key(pem))
+    revocation = next(c for c in pack.controls if c.slug == "revocation")
+    assert revocation.exceptions == [] and revocation.rows == 3  # capability revoked, key revoked, the drill
+
+
+def test_a_revocation_that_does_not_take_fails_the_drill_and_still_leaves_the_key_revoked(monkeypatch):
+    monkeypatch.setattr(agents, "revoke_capability", lambda **kwargs: None)  # a broken revocation
+    code, result = _drill()
+    assert code == 1 and result["passed"] is False
+    failed = [(s["channel"], s["got"]) for s in result["steps"] if not s["ok"]]
+    assert failed == [("rest", "PAYMENT_NOT_FOUND"), ("mcp", "PAYMENT_NOT_FOUND")]  # the calls got through
+    assert AgentKey.objects.get(prefix=result["key_prefix"]).revoked_at is not None
+    assert AuditEntry.objects.get(action="revocation.drill").data["passed"] is False
