@@ -224,6 +224,7 @@ def _versions(period: Period, control: Control, model, kind: str, series: Callab
     """Every version in force at some moment of the period, with proposer and approver; a version
     that took effect in the period without a second person's approval is an exception."""
     approved = _approvals(kind)
+    control.notes.append("These bounds bind every merchant: a pack for one merchant lists them all.")
     rows_in = model.objects.filter(created_at__lt=period.end).order_by("created_at", "pk")
 
     def rows():

@@ -4,7 +4,9 @@ standalone script in examples/)."""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import io
 import json
 import subprocess
 import sys
@@ -21,7 +23,7 @@ from audit.evidence import build_pack, load_signing_key, new_signing_key, verify
 from audit.models import AuditEntry, Verdict
 from processors import sandbox
 from processors.models import InboundEvent
-from refundops.models import Agent, AgentKey, GatewayAttempt, HoldRules, Refund, RefundLimits
+from refundops.models import Agent, AgentKey, GatewayAttempt, HoldRules, Merchant, Refund, RefundLimits
 from refundops.services import payouts
 from tests.conftest import make_agent_key, make_limits, make_payment, make_rules, make_staff, post
 
@@ -213,3 +215,36 @@ def test_no_signing_key_is_refused_before_anything_is_written(tmp_path, settings
     with pytest.raises(CommandError, match="no signing key"):
         call_command("evidence_pack", "--from", "2026-10-01", "--to", "2026-12-31", "--out", str(tmp_path / "p.zip"))
     assert not (tmp_path / "p.zip").exists()
+
+
+def test_a_limits_version_approved_by_a_second_person_names_both_and_is_no_exception(tmp_path, signing):
+    from django.contrib.auth.models import User
+
+    from proposals.models import Proposal
+    from proposals.services import approve_proposal, propose_change
+    make_limits(), make_rules()
+    RefundLimits.objects.update(created_at=timezone.now() - timedelta(days=3))
+    maker, checker = (User.objects.create_user(name) for name in ("fin-maker", "fin-checker"))
+    for user in (maker, checker):
+        call_command("grant_role", user.username, "finance approver", stdout=io.StringIO())
+    proposal = propose_change(kind=Proposal.Kind.REFUND_LIMITS, subject_id="USD",
+                              changes={"approval_threshold_minor": 12_345}, proposer=User.objects.get(pk=maker.pk))
+    approve_proposal(proposal_id=proposal.pk, approver=User.objects.get(pk=checker.pk))
+    start, end = _period()
+    result = build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    limits = next(c for c in result.controls if c.slug == "limits")
+    assert limits.rows == 2 and limits.exceptions == []
+    with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
+        rows = list(csv.DictReader(io.StringIO(pack.read("controls/limits.csv").decode())))
+    assert [(r["version"], r["proposer"], r["approver"]) for r in rows][-1] == ("2", "fin-maker", "fin-checker")
+
+
+def test_a_pack_for_one_merchant_leaves_out_the_others_rows(tmp_path, signing):
+    seed_known_exceptions()
+    other = Merchant.objects.create(name="Shop two")
+    start, end = _period()
+    result = build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0], merchant_id=other.pk)
+    found = {c.slug: c.exception_count for c in result.controls if c.exception_count}
+    # Limits bind every merchant and gateway events carry none: both are in every merchant's pack. No
+    # drill ran. Nothing else planted is Shop two's.
+    assert found == {"limits": 1, "inbound_events": 1, "revocation": 1}
