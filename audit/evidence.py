@@ -325,6 +325,29 @@ def _write(control: Control, wid, at, kind, subject, verdict_id, key, outcome) -
     return [wid, at, kind, subject, verdict_id or "", key, outcome, why]
 
 
+def one_refund_per_key(period: Period, control: Control):
+    """No duplicate refunds for one idempotency key: each caller's key made at most one refund."""
+    from refundops.models import Refund
+    refunds = Refund.objects.filter(_in_period(period, "created_at")).exclude(idempotency_key="")
+    if period.merchant_id:
+        refunds = refunds.filter(payment__merchant_id=period.merchant_id)
+
+    def rows():
+        previous = None
+        for rid, at, agent_id, user_id, key in refunds.order_by(
+                "agent_id", "requested_by_id", "idempotency_key", "created_at", "pk").values_list(
+                "pk", "created_at", "agent_id", "requested_by_id", "idempotency_key").iterator(chunk_size=CHUNK):
+            scope = (agent_id, user_id, key)
+            why = ""
+            if previous and previous[0] == scope:
+                why = control.note_exception(rid, f"a second refund for the key {key!r} (the first: {previous[1]})")
+            else:
+                previous = (scope, rid)
+            control.rows += 1
+            yield [rid, at, agent_id or "", user_id or "", key, why]
+    return ["refund_id", "created_at", "agent_id", "staff_user_id", "idempotency_key", "exception"], rows()
+
+
 def paid_refunds(period: Period, control: Control):
     """Every refund paid in the period has an approving verdict (approved, or held and approved by a
     person with the authority), and no check of that verdict failed."""
@@ -443,6 +466,7 @@ CONTROLS: list[tuple[str, str, str, Callable]] = [
      verdict_per_call),
     ("capability_use", "Capabilities used", "no capability outside the approved list was used", capability_use),
     ("gateway_writes", "Gateway writes", "a verdict reference and an idempotency key on each write", gateway_writes),
+    ("idempotency", "Idempotency", "no duplicate refunds for one key", one_refund_per_key),
     ("paid_refunds", "Refunds paid", "an approving verdict for every refund paid", paid_refunds),
     ("inbound_events", "Gateway events", "the signature check result per event", inbound_events),
     ("refund_elsewhere", "Refunds to the original method only", "refused verdicts on attempts to refund elsewhere",

@@ -41,7 +41,7 @@ def signing(tmp_path):
 
 def _paid(payment, *, verdict=None) -> Refund:
     refund = Refund.objects.create(payment=payment, amount_minor=100, currency="USD", reason="duplicate",
-                                   verdict=verdict, idempotency_key="seeded")
+                                   verdict=verdict, idempotency_key=f"seeded-{payment.pk}-{verdict}")
     Refund.objects.filter(pk=refund.pk).update(status="settled", submitted_at=timezone.now(),
                                                settled_at=timezone.now())
     return refund
@@ -84,6 +84,8 @@ def seed_known_exceptions() -> dict[str, set[str]]:
     held = Verdict.objects.create(operation="refund.create", outcome="held", totals={"today": 1},
                                   idempotency_key="k4")
     never_approved = _paid(payment, verdict=held)
+    twice = Refund.objects.create(payment=payment, amount_minor=50, currency="USD", reason="duplicate",
+                                  idempotency_key=unverdicted.idempotency_key, verdict=held)  # the key again
     keyless = GatewayAttempt.objects.create(refund=never_approved, idempotency_key="",
                                             lease_until=timezone.now(), outcome="succeeded")
     InboundEvent.objects.create(processor="stripe", event_id="evt_ok", verified=True, applied_at=timezone.now())
@@ -94,7 +96,7 @@ def seed_known_exceptions() -> dict[str, set[str]]:
     return {
         "capability_list": {broad.pk}, "key_scope": {loose.prefix}, "limits": {f"USD limits v{v2.version}"},
         "hold_rules": set(), "capabilities_and_authorities": set(), "verdicts": {no_totals.pk}, "capability_use": {void_without_capability.pk},
-        "gateway_writes": {keyless.pk}, "paid_refunds": {unverdicted.pk, never_approved.pk},
+        "gateway_writes": {keyless.pk}, "idempotency": {twice.pk}, "paid_refunds": {unverdicted.pk, never_approved.pk},
         "inbound_events": {str(forged.pk)}, "refund_elsewhere": {elsewhere.pk},
         "refund_void_separate": {broad.pk}, "revocation": {"-"}, "audit_chain": set(),
     }
