@@ -225,6 +225,11 @@ CELERY_BEAT_SCHEDULE = {
     "reconcile-ledgers": {"task": "refundops.tasks.reconcile_ledgers",
                           "schedule": timedelta(seconds=env.int("RECONCILE_INTERVAL_SECONDS", default=3600))},
 }
+# The revocation drill (manage.py revocation_drill) on a schedule: off unless given a number of hours.
+REVOCATION_DRILL_INTERVAL_HOURS = env.int("REVOCATION_DRILL_INTERVAL_HOURS", default=0)
+if REVOCATION_DRILL_INTERVAL_HOURS > 0:
+    CELERY_BEAT_SCHEDULE["revocation-drill"] = {"task": "audit.tasks.run_revocation_drill",
+                                                "schedule": timedelta(hours=REVOCATION_DRILL_INTERVAL_HOURS)}
 # The reconciler leaves a refund touched this recently to the worker and the sync (still on its way).
 RECONCILE_GRACE_SECONDS = env.int("RECONCILE_GRACE_SECONDS", default=600)
 

@@ -64,3 +64,12 @@ def test_a_revocation_that_does_not_take_fails_the_drill_and_still_leaves_the_ke
     assert failed == [("rest", "PAYMENT_NOT_FOUND"), ("mcp", "PAYMENT_NOT_FOUND")]  # the calls got through
     assert AgentKey.objects.get(prefix=result["key_prefix"]).revoked_at is not None
     assert AuditEntry.objects.get(action="revocation.drill").data["passed"] is False
+
+
+def test_the_scheduled_drill_is_off_by_default_and_the_task_runs_it():
+    from django.conf import settings
+
+    from audit.tasks import run_revocation_drill
+    assert "revocation-drill" not in settings.CELERY_BEAT_SCHEDULE
+    assert run_revocation_drill() is True
+    assert AuditEntry.objects.filter(action="revocation.drill", data__passed=True).count() == 1
