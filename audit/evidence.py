@@ -478,10 +478,12 @@ CONTROLS: list[tuple[str, str, str, Callable]] = [
 
 
 def _sentence(control: Control) -> str:
+    if control.exception_count > control.rows:  # an absence (no drill at all) counts without a row
+        return f"Exceptions: {control.exception_count}, listed below."
     if control.exception_count:
         return (f"Exceptions: {control.exception_count} of {control.rows} rows fail this control; each is listed "
                 f"below by id and marked in {control.csv_name}.")
-    return f"Held: all {control.rows} rows checked pass; no exception."
+    return f"Held: all {control.rows} rows pass this control; no exception."
 
 
 # -- the audit chain's segment ------------------------------------------------------------------

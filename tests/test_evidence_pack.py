@@ -126,6 +126,7 @@ def test_the_pack_finds_exactly_the_planted_exceptions(tmp_path, signing):
         for row_id in ids:
             assert row_id in summary  # listed by id, never left out
     assert "Held: all" in summary and "Exceptions: 2 of 3 rows" in summary
+    assert "Exceptions: 1, listed below." in summary  # no drill: an absence, never an omission
     assert "paid without a verdict" in paid and "no person approved" in paid
     assert set(manifest["files"]) == {f"controls/{slug}.csv" for slug in expected if slug != "audit_chain"} | {
         "audit_chain_segment.csv", "summary.html"}
