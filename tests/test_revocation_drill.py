@@ -73,3 +73,18 @@ def test_the_scheduled_drill_is_off_by_default_and_the_task_runs_it():
     assert "revocation-drill" not in settings.CELERY_BEAT_SCHEDULE
     assert run_revocation_drill() is True
     assert AuditEntry.objects.filter(action="revocation.drill", data__passed=True).count() == 1
+
+
+def test_after_a_passed_drill_a_clean_period_packs_with_exit_0(tmp_path):
+    assert _drill()[0] == 0
+    today = timezone.now().date().isoformat()
+    out = io.StringIO()
+    try:
+        call_command("evidence_pack", "--from", today, "--to", today, "--out", str(tmp_path / "p.zip"),
+                     "--new-key", str(tmp_path / "k.pem"), stdout=out)  # no SystemExit: exit 0
+    except SystemExit:
+        raise AssertionError(out.getvalue()) from None
+    assert "0 exception(s)" in out.getvalue() and "Revocation: Held: all 3 rows" in out.getvalue()
+    assert "Full log: the audit chain: Held: all 0 rows" not in out.getvalue()  # sealed before its heads are read
+    call_command("verify_evidence_pack", str(tmp_path / "p.zip"), "--public-key", str(tmp_path / "k.pem.pub"),
+                 stdout=io.StringIO())
