@@ -29,7 +29,7 @@ from django.db.models import Exists, OuterRef, Q
 from django.template.loader import render_to_string
 from django.utils import timezone
 
-from audit.chain import GENESIS, Head, seal_pending, verify_chain
+from audit.chain import GENESIS, Head, seal, verify_chain
 from audit.exports import csv_lines
 from audit.models import AuditEntry, Verdict
 
@@ -497,7 +497,7 @@ def _head_before(moment: datetime) -> Head:
 
 def chain_segment(period: Period, control: Control):
     """The sealed entries of the period in chain order; the heads at both ends; what verify_audit says."""
-    seal_pending()  # as audit_head does: what is committed is in the chain before its heads are read
+    seal()  # as audit_head does: what is committed (verdicts too) is in the chain before its heads are read
     start, end = _head_before(period.start), _head_before(period.end)
     # The segment is the seq range between the heads: an entry sealed in that range is in it even when
     # its clock reads otherwise (the sealer orders by id, not by time).

@@ -18,7 +18,7 @@ import pytest
 from django.core.management import call_command
 from django.utils import timezone
 
-from audit.chain import seal_pending
+from audit.chain import seal
 from audit.evidence import build_pack, load_signing_key, new_signing_key, verify_pack
 from audit.models import AuditEntry, Verdict
 from processors import sandbox
@@ -92,7 +92,7 @@ def seed_known_exceptions() -> dict[str, set[str]]:
     InboundEvent.objects.create(processor="stripe", event_id="evt_forged_unapplied", verified=False)
     forged = InboundEvent.objects.create(processor="stripe", event_id="evt_forged", verified=False,
                                          applied_at=timezone.now())
-    seal_pending()
+    seal()
     return {
         "capability_list": {broad.pk}, "key_scope": {loose.prefix}, "limits": {f"USD limits v{v2.version}"},
         "hold_rules": set(), "capabilities_and_authorities": set(), "verdicts": {no_totals.pk}, "capability_use": {void_without_capability.pk},

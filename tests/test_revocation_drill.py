@@ -11,7 +11,7 @@ import pytest
 from django.core.management import call_command
 from django.utils import timezone
 
-from audit.chain import seal_pending
+from audit.chain import seal
 from audit.evidence import build_pack, load_signing_key, new_signing_key
 from audit.models import AuditEntry
 from refundops.models import Agent, AgentKey, GatewayAttempt, Refund
@@ -48,7 +48,7 @@ def test_the_drill_revokes_for_real_and_rest_and_mcp_are_refused(tmp_path):
     # The evidence pack reads it: a passed drill is no exception.
     pem = tmp_path / "k.pem"
     new_signing_key(pem)
-    seal_pending()
+    seal()
     now = timezone.now()
     pack = build_pack(start=now - timedelta(hours=1), end=now + timedelta(hours=1), out=tmp_path / "p.zip",
                       signing_key=load_signing_key(pem))
