@@ -116,7 +116,9 @@ def test_the_image_alone_refuses_clearly_without_its_secrets(tmp_path):
                              text=True, timeout=120)
     assert refused.returncode != 0
     assert "DJANGO_SECRET_KEY" in refused.stderr
-    env.update(DJANGO_SECRET_KEY="x" * 50, AUDIT_KEY="y" * 40)
+    import secrets
+
+    env.update(DJANGO_SECRET_KEY=secrets.token_urlsafe(50), AUDIT_KEY=secrets.token_urlsafe(30))  # 'x' * 50 is refused now
     refused = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=120)
     assert refused.returncode != 0 and "DATABASE_URL" in refused.stderr and "REDIS_URL" in refused.stderr
