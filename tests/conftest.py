@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import hypothesis
 import pytest
 import uvicorn
 from django.conf import settings
@@ -39,6 +40,13 @@ from tests.slots import big_race_slot
 pytest_plugins = ["tests.fakes.fixtures"]  # fake gateways and a real Celery worker, for any test
 
 _seq = itertools.count(1)
+
+
+# CI runs every property test and fuzzer on the same examples each time (a red CI is a finding that
+# replays, never a roll of the dice); a developer's run and scripts/fuzz N draw new ones.
+hypothesis.settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    hypothesis.settings.load_profile("ci")
 
 
 def pytest_configure(config):
