@@ -211,3 +211,36 @@ def test_no_commit_rides_when_django_is_to_roll_back_or_inside_an_outer_transact
         assert not any("COMMIT" in q for q in queries), queries
         transaction.set_rollback(True)
     assert count(scratch) == 0
+
+
+class _Refused(Exception):
+    pass
+
+
+def test_a_callback_that_raises_leaves_nothing_committed(scratch):
+    """Issue 30, finding 2: a deferred statement's ``then`` runs before the COMMIT leaves, never after
+    it: one that raises rolls the transaction back, so an error never stands for a committed change."""
+
+    def refuse(cursor) -> None:
+        raise _Refused
+
+    with pytest.raises(_Refused), transaction.atomic(), batching.batch():
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s) RETURNING id", [1], then=refuse)
+    assert count(scratch) == 0
+
+
+def test_a_refund_whose_outbox_callback_raises_answers_an_error_only_when_nothing_committed(api, policy, monkeypatch):
+    """A refund answered with an error must not have committed (a retry with its key would replay 201)."""
+    from refundops import outbox
+
+    post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 100, "reason": "duplicate"})
+    payment = make_payment(amount=5_000)
+
+    def refuse(ids) -> None:
+        raise _Refused
+
+    monkeypatch.setattr(outbox, "_nudge_after_commit", refuse)
+    with pytest.raises(_Refused):
+        post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_250, "reason": "customer_request"})
+    assert not Refund.objects.filter(payment_id=payment.pk).exists()
+    assert Payment.objects.values_list("amount_reserved_minor", flat=True).get(pk=payment.pk) == 0
