@@ -114,7 +114,7 @@ def batch() -> Iterator[None]:
         finally:
             del connection.refundops_batch
     try:
-        if not (connection.needs_rollback or connection.closed_in_transaction):
+        if not (transaction.get_rollback() or connection.closed_in_transaction):
             for cursor, then in current.waiting:  # before atomic() commits: one that raises rolls back
                 if then is not None:
                     then(cursor)
