@@ -63,6 +63,7 @@ def bench_env(db_name: str) -> dict[str, str]:
         "REDIS_URL": os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/11"),
         "CELERY_TASK_ALWAYS_EAGER": "false",
         "DJANGO_DEBUG": "false",
+        "DATABASE_POOLER": "none",  # straight to PostgreSQL: psycopg's prepared statements on
     }
 
 

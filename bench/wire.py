@@ -23,6 +23,37 @@ class Wire:
     statements: int = 0
     lines: list[str] = field(default_factory=list)  # the trace, one message an item (a query's text whole)
 
+    @property
+    def trips(self) -> list[list[str]]:
+        """The statements' texts each round trip sent: a simple Query's, or an extended one's Parse
+        (server-side binding, pipeline mode), in order."""
+        trips: list[list[str]] = [[]]
+        for line in self.lines:
+            sender, _, message, *rest = (line.split("\t", 3) + ["", "", ""])[:4]
+            if sender == "F" and message in ("Query", "Parse"):
+                text = rest[0].strip()
+                trips[-1].append(text.split('" "', 1)[1] if message == "Parse" else text.strip('"'))
+            elif sender == "B" and message == "ReadyForQuery":
+                trips.append([])
+        return [trip for trip in trips if trip] if trips[-1] else trips[:-1]
+
+    @property
+    def failed_trips(self) -> list[list[str]]:
+        """The statements of each round trip PostgreSQL answered an error in."""
+        failed, sent, erred = [], [], False
+        for line in self.lines:
+            sender, _, message, *rest = (line.split("\t", 3) + ["", "", ""])[:4]
+            if sender == "F" and message in ("Query", "Parse"):
+                text = rest[0].strip()
+                sent.append(text.split('" "', 1)[1] if message == "Parse" else text.strip('"'))
+            elif sender == "B" and message == "ErrorResponse":
+                erred = True
+            elif sender == "B" and message == "ReadyForQuery":
+                if erred:
+                    failed.append(sent)
+                sent, erred = [], False
+        return failed
+
 
 @contextmanager
 def on_the_wire(connection) -> Iterator[Wire]:

@@ -38,8 +38,6 @@ from typing import Any
 
 import structlog
 from celery import current_app
-from celery._state import get_current_task
-from celery.utils import uuid
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
 from django.db.models import F
@@ -47,7 +45,7 @@ from django.utils import timezone
 from psycopg.types.json import Jsonb
 
 from refundops import batching
-from refundops.logs import REQUEST_ID_TASK_HEADER, current_request_id
+from refundops.logs import current_request_id
 from refundops.models import OutboxMessage
 
 log = logging.getLogger(__name__)
@@ -182,7 +180,7 @@ def _nudge(message_ids: list[int]) -> None:
       waiting); a process killed, or a sender that cannot keep up, leaves the rows to the relay.
       The request id bound now goes along: the sender publishes each row under its own request's
       id, as the inline nudge did (``logs._carry_request_id``), so the worker's lines name it."""
-    if current_app.conf.task_always_eager or get_current_task() is not None:
+    if current_app.conf.task_always_eager or current_app.current_task is not None:
         _send_now(message_ids)
         return
     # Committed by the sender's own thread (a trip's mail, from the breaker's count it ran): its
@@ -195,104 +193,12 @@ def _nudge(message_ids: list[int]) -> None:
         sender.put(message_ids, current_request_id())
 
 
-def _send_now(message_ids: list[int], request_ids: dict[int, str] | None = None,
-              publisher: _Publisher | None = None) -> None:
+def _send_now(message_ids: list[int], request_ids: dict[int, str] | None = None, *, in_sender: bool = False) -> None:
     try:  # one try: the relay retries
         send_claimed(_claim(ids=message_ids, now=timezone.now()), retry=False, request_ids=request_ids,
-                     publisher=publisher)
+                     in_sender=in_sender)
     except Exception:  # noqa: BLE001 - the caller's change stands; the relay sends it later
         log.exception("outbox: could not send %s after commit; the relay will", message_ids)
-
-
-class _Publisher:
-    """The sender thread's way to the broker, kept from batch to batch: one kombu connection and
-    producer, and on it one publish batch (kombu's: one Redis client, one pipeline) flushed once a
-    batch, so a batch's messages leave in one round trip without a Redis client built for each
-    batch (kombu builds one per batch, Celery's pool hands a producer out per publish).
-
-    Each message is built and sent by Celery itself (``amqp.create_task_message``, then
-    ``amqp.send_task_message``: the task's options, the router, the queue's declaration, the
-    ``before_task_publish`` signal), as ``apply_async`` builds it, less what a plain row never
-    needs: ``argsrepr``/``kwargsrepr`` are a ``repr`` of the row's JSON (``saferepr`` only past
-    Celery's 1,024 characters), and the per-call look-ups of the configuration are made once.
-    A task whose options ``apply_async`` would treat further (``expires``, time limits) goes
-    through ``apply_async`` on this same producer.
-
-    Used by one thread only (a kombu producer is not thread-safe). Rebuilt when the broker's URL
-    changes, and after any failure of the batch (the next batch reconnects from scratch)."""
-
-    def __init__(self) -> None:
-        self.app = current_app._get_current_object()
-        self.broker_url = self.app.conf.broker_url
-        self.connection = self.app.connection_for_write()
-        self.producer = self.app.amqp.Producer(self.connection, auto_declare=False)
-        self.batch: Any = None
-        self.broken = False  # a message or the batch failed: closed, and a new one built, after this batch
-        self.declared: set[str] = set()  # queues declared through this producer's connection
-        conf = self.app.conf
-        self.reply_to = self.app.thread_oid
-        self.sent_event = conf.task_send_sent_event
-        self.repr_max = self.app.amqp.kwargsrepr_maxsize
-
-    def current(self) -> bool:
-        """Still pointed at the app's broker (tests and a reconfigured app move it)."""
-        return self.app is current_app._get_current_object() and self.app.conf.broker_url == self.broker_url
-
-    def publish(self, name: str, kwargs: dict[str, Any], queue: str, request_id: str | None) -> None:
-        try:
-            self._publish(name, kwargs, queue, request_id)
-        except BaseException:
-            self.broken = True  # whatever it was, the next batch starts on a new producer
-            raise
-
-    def _publish(self, name: str, kwargs: dict[str, Any], queue: str, request_id: str | None) -> None:
-        if self.batch is None:
-            self.batch = self.producer.batch(max_size=SENDER_BATCH * 4)
-            self.batch.__enter__()
-        app, task = self.app, self.app.tasks[name]
-        options = dict(task._get_exec_options(), queue=queue or None)
-        if request_id:
-            options["headers"] = {REQUEST_ID_TASK_HEADER: request_id}
-        if any(options.pop(option) is not None for option in ("expires", "time_limit", "soft_time_limit")):
-            task.apply_async(kwargs=kwargs, producer=self.producer, retry=False, queue=queue or None,
-                             headers=options.get("headers"))
-            return
-        if task.typing:
-            task.__header__(**kwargs)  # apply_async's check of the arguments: a TypeError here, not in the worker
-        ignore_result = options.pop("ignore_result", None)
-        if ignore_result is None:
-            ignore_result = task.ignore_result
-        options = app.amqp.router.route(options, name, (), kwargs, task)
-        kwargsrepr = repr(kwargs)
-        if len(kwargsrepr) > self.repr_max:
-            kwargsrepr = None  # Celery's saferepr, which cuts it short
-        task_id = uuid()
-        message = app.amqp.create_task_message(
-            task_id, name, (), kwargs, reply_to=self.reply_to, create_sent_event=self.sent_event,
-            ignore_result=ignore_result, argsrepr="()", kwargsrepr=kwargsrepr, **options)
-        with self.connection._reraise_as_library_errors():
-            if not ignore_result:
-                app.backend.on_task_call(self.producer, task_id)
-            destination = options.get("queue")
-            name_of_queue = getattr(destination, "name", None)
-            if name_of_queue in self.declared:  # kombu's maybe_declare binds a copy of the queue each time
-                options["declare"] = []
-            app.amqp.send_task_message(self.producer, name, message, retry=False, **options)
-            if name_of_queue is not None:
-                self.declared.add(name_of_queue)
-
-    def flush(self) -> None:
-        """Send what the batch holds (one pipeline); raises if the broker refused it."""
-        if self.batch is not None:
-            self.batch.flush()
-
-    def close(self) -> None:
-        batch, self.batch = self.batch, None
-        try:
-            if batch is not None:
-                batch.__exit__(RuntimeError, RuntimeError("closed"), None)  # discards what was not flushed
-        finally:
-            self.connection.release()
 
 
 class _Sender:
@@ -309,7 +215,6 @@ class _Sender:
         self.stopping = False
         self.full = False  # ids were left to the relay since the queue was last below its bound
         self.changed = threading.Condition()
-        self.publisher: _Publisher | None = None  # the thread's own, made and used there only
         self.thread = threading.Thread(target=self._run, name="outbox-sender", daemon=True)
 
     def put(self, ids: list[int], request_id: str = "") -> None:
@@ -345,14 +250,6 @@ class _Sender:
             self.thread.join(timeout)
         return not self.thread.is_alive() and not self.waiting
 
-    def _close_publisher(self) -> None:
-        publisher, self.publisher = self.publisher, None
-        if publisher is not None:
-            try:
-                publisher.close()
-            except Exception:  # noqa: BLE001 - a broker gone away; its connection is dropped all the same
-                log.warning("outbox: closing the sender's producer failed", exc_info=True)
-
     def _run(self) -> None:
         _in_sender.sender = self
         try:
@@ -374,23 +271,14 @@ class _Sender:
                         self.since = float("-inf")  # what is left has waited already
                         self.busy = True
                 if batch is None:
-                    self._close_publisher()
                     connection.close()
                     continue
-                if self.publisher is not None and (self.publisher.broken or not self.publisher.current()):
-                    self._close_publisher()
-                if self.publisher is None:
-                    try:
-                        self.publisher = _Publisher()
-                    except Exception:  # noqa: BLE001 - sent as the inline nudge sends, the next batch tries again
-                        log.exception("outbox: the sender could not set up its producer")
-                _send_now([message_id for message_id, _ in batch], dict(batch), self.publisher)
+                _send_now([message_id for message_id, _ in batch], dict(batch), in_sender=True)
                 # As after a request: a connection broken or past CONN_MAX_AGE is closed (under the
                 # pool, given back), the others checked before the next batch (CONN_HEALTH_CHECKS).
                 close_old_connections()
         finally:  # stopped, or died (the next nudge starts another; what it held is the relay's)
             try:
-                self._close_publisher()
                 connection.close()
             finally:
                 with self.changed:
@@ -503,17 +391,35 @@ def _claim_elsewhere(*, now, ids: Iterable[int] | None, written_before, limit: i
 
 
 def send_claimed(rows: list[tuple], *, retry: bool = True, request_ids: dict[int, str] | None = None,
-                 publisher: _Publisher | None = None) -> int:
-    """Publish the claimed rows, each prepared on its own: one that fails never keeps the others
-    from going. ``retry``: let kombu retry a broken connection (the relay may; a request's nudge
-    does not). Without retries, in one round trip to the broker where it allows (kombu's publish
-    batch: one Redis pipeline, where a refund's two messages cost two round trips and two Redis
-    clients); a batch the broker then refuses frees every row in it for the relay. With retries,
-    one by one (a retry revives the connection, which kombu refuses under a batch). ``request_ids``:
-    the id of the request that committed each row, bound while it is published (the sender's).
-    ``publisher``: the sender thread's own (:class:`_Publisher`), in one batch, without retries."""
+                 in_sender: bool = False) -> int:
+    """Publish the claimed rows, each with ``apply_async`` on its own: one that fails never keeps the
+    others from going. ``retry``: let kombu retry a broken connection (the relay may; a request's
+    nudge does not). Without retries, in one round trip to the broker where it allows (a producer
+    from Celery's pool, ``producer.batch()``: one Redis pipeline); a batch the broker then refuses
+    frees every row in it for the relay. With retries, one by one (a retry revives the connection,
+    which kombu refuses under a batch). ``request_ids``: the id of the request that committed each
+    row, bound while it is published (the sender's). ``in_sender``: the sender's thread, which runs
+    the tasks given to :func:`run_in_sender` itself."""
     sent: list[int] = []
+    ran: list[int] = []  # run here (run_in_sender): done, whatever becomes of the batch's publish
     failed: list[tuple[int, str, Exception]] = []
+    here: dict[str, list[tuple[int, dict[str, Any], str | None]]] = {}
+    to_publish: list[tuple[int, str, Any, str]] = []
+    for row in rows:
+        message_id, task, kwargs, _queue = row
+        if in_sender and task in _RUN_IN_SENDER:
+            if isinstance(kwargs, str):  # Django reads jsonb as text on a raw cursor
+                kwargs = json.loads(kwargs)
+            here.setdefault(task, []).append((message_id, kwargs, request_ids.get(message_id) if request_ids else None))
+        else:
+            to_publish.append(row)
+    for task, items in here.items():
+        try:
+            _RUN_IN_SENDER[task]([(kwargs, request_id) for _, kwargs, request_id in items])
+        except Exception as exc:  # noqa: BLE001 - e.g. the breaker's Redis away: the relay's
+            failed.extend((message_id, task, exc) for message_id, _, _ in items)
+        else:
+            ran.extend(message_id for message_id, _, _ in items)
 
     def publish(message_id: int, task: str, kwargs: Any, queue: str, **options: Any) -> None:
         request_id = request_ids.get(message_id) if request_ids else None
@@ -527,56 +433,23 @@ def send_claimed(rows: list[tuple], *, retry: bool = True, request_ids: dict[int
         else:
             sent.append(message_id)
 
-    if publisher is not None:
-        ran: list[int] = []  # run here (run_in_sender): done, whatever becomes of the batch's publish
-        here: dict[str, list[tuple[int, dict[str, Any], str | None]]] = {}
-        for message_id, task, kwargs, queue in rows:
-            request_id = request_ids.get(message_id) if request_ids else None
-            try:
-                if isinstance(kwargs, str):  # Django reads jsonb as text on a raw cursor
-                    kwargs = json.loads(kwargs)
-                if task in _RUN_IN_SENDER:
-                    here.setdefault(task, []).append((message_id, kwargs, request_id))
-                    continue
-                publisher.publish(task, kwargs, queue, request_id)
-            except Exception as exc:  # noqa: BLE001 - a message refused, or a task this process lacks
-                failed.append((message_id, task, exc))
-            else:
-                sent.append(message_id)
-        for task, items in here.items():
-            try:
-                _RUN_IN_SENDER[task]([(kwargs, request_id) for _, kwargs, request_id in items])
-            except Exception as exc:  # noqa: BLE001 - e.g. the breaker's Redis away: the relay's
-                failed.extend((message_id, task, exc) for message_id, _, _ in items)
-            else:
-                ran.extend(message_id for message_id, _, _ in items)
-        try:
-            publisher.flush()
-        except Exception as exc:  # noqa: BLE001 - the batch's flush: none of its messages went
-            publisher.broken = True
-            lost = set(sent)
-            failed.extend((message_id, task, exc) for message_id, task, _, _ in rows if message_id in lost)
-            sent = []
-        _record(sent + ran, failed)
-        return len(sent) + len(ran)
     if retry or current_app.conf.task_always_eager:
         # Eager tasks run here, inside the publish: one that nudges its own rows would ask the
         # broker's pool for a second producer while holding the first (threads doing so at once
         # empty the pool and wait on each other for ever). Nothing is sent to batch anyway.
-        for row in rows:
+        for row in to_publish:
             publish(*row)
-    else:
+    elif to_publish:
         try:
-            with current_app.producer_or_acquire() as producer, (
-                    producer.batch() if hasattr(producer, "batch") else nullcontext()):  # kombu < 5.7: one by one
-                for row in rows:
+            with current_app.producer_or_acquire() as producer, producer.batch(max_size=SENDER_BATCH * 4):
+                for row in to_publish:
                     publish(*row, producer=producer)
         except Exception as exc:  # noqa: BLE001 - the batch's flush (or the producer): none of it went
             done = {message_id for message_id, _, _ in failed}
-            failed.extend((message_id, task, exc) for message_id, task, _, _ in rows if message_id not in done)
+            failed.extend((message_id, task, exc) for message_id, task, _, _ in to_publish if message_id not in done)
             sent = []
-    _record(sent, failed)
-    return len(sent)
+    _record(sent + ran, failed)
+    return len(sent) + len(ran)
 
 
 def _record(sent: list[int], failed: list[tuple[int, str, Exception]]) -> None:

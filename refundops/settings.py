@@ -149,10 +149,31 @@ else:
     # PostgreSQL restart costs one reconnect, not an error). Never a connection per request.
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("DATABASE_CONN_MAX_AGE", default=600)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
-# The statements every request sends go as prepared statements (refundops.batching): at most this
-# many a connection; 0 sends them as they are (behind PgBouncer in transaction mode, which hands a
-# connection's transactions to several server sessions).
-DATABASE_PREPARED_STATEMENTS = env.int("DATABASE_PREPARED_STATEMENTS", default=32)
+# What stands between the app and PostgreSQL: "none" (it connects straight to PostgreSQL),
+# "pgbouncer-session", "pgbouncer-transaction"; unset, it is not known, and nothing is counted on that
+# a pooler could break. A prepared statement lives in one server session: PgBouncer in transaction
+# mode hands a client's transactions to whichever server session is free, and keeps protocol-level
+# prepares only from 1.21 (max_prepared_statements; Debian 12 ships 1.18), SQL-level ones never.
+DATABASE_POOLER = env.str("DATABASE_POOLER", default="")
+_POOLERS = ("", "none", "pgbouncer-session", "pgbouncer-transaction")
+if DATABASE_POOLER not in _POOLERS:
+    raise ImproperlyConfigured(f"DATABASE_POOLER={DATABASE_POOLER!r} is not one of {', '.join(filter(None, _POOLERS))}.")
+# Statements psycopg prepares on each connection (server-side binding: one it has run
+# DATABASE_PREPARE_THRESHOLD times is parsed once a session and, soon, no longer planned), at most
+# this many (least recently used deallocated); 0 prepares none. On by default only where the pooler
+# is known to keep a session's statements.
+DATABASE_PREPARED_STATEMENTS = env.int(
+    "DATABASE_PREPARED_STATEMENTS", default=100 if DATABASE_POOLER in ("none", "pgbouncer-session") else 0)
+DATABASE_PREPARE_THRESHOLD = env.int("DATABASE_PREPARE_THRESHOLD", default=5)  # psycopg's default
+if DATABASE_POOLER == "pgbouncer-transaction" and DATABASE_PREPARED_STATEMENTS:
+    raise ImproperlyConfigured(
+        f"DATABASE_PREPARED_STATEMENTS={DATABASE_PREPARED_STATEMENTS} cannot work behind DATABASE_POOLER=pgbouncer-transaction "
+        "(a prepared statement stays on one server session, PgBouncer moves the next transaction to another): "
+        "set DATABASE_PREPARED_STATEMENTS=0.")
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # psycopg binds parameters on the server (its own prepared statements and pipeline mode need it;
+    # refundops.batching); prepare_threshold is set per connection from the two settings above.
+    DATABASES["default"].setdefault("OPTIONS", {})["server_side_binding"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # Redis holds only what may be rebuilt: rate-limit windows, breaker state, the broker's queue.

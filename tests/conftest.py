@@ -140,13 +140,14 @@ def _flush_past_the_audit_triggers() -> None:
         return [self.compose_sql(_DELETE_OR_TRUNCATE, [list(tables), _TRUNCATE_FROM_BYTES])]
 
     def execute_sql_flush(self, sql_list):
-        with self.connection.cursor() as cursor:
-            cursor.execute("SET session_replication_role = replica")
-        try:
-            flush(self, sql_list)
-        finally:
+        from django.db import transaction
+
+        # One transaction, triggers off for it only (SET LOCAL): behind PgBouncer in transaction mode
+        # (scripts/test --pgbouncer) the next transaction may run on another server session.
+        with transaction.atomic(using=self.connection.alias):
             with self.connection.cursor() as cursor:
-                cursor.execute("SET session_replication_role = DEFAULT")
+                cursor.execute("SET LOCAL session_replication_role = replica")
+            flush(self, sql_list)
 
     DatabaseOperations.sql_flush = sql_flush
     DatabaseOperations.execute_sql_flush = execute_sql_flush
@@ -196,6 +197,33 @@ def _migrated_template(db: dict) -> str:
                        cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "DATABASE_URL": url})
         admin.execute(f'ALTER DATABASE "{building}" RENAME TO "{template}"')  # whole, or not at all
     return template
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker):
+    """``scripts/test --pgbouncer`` (TEST_PGBOUNCER=1): once the test database is made (straight to
+    PostgreSQL), every connection reaches it through a PgBouncer in transaction mode that this starts
+    (tests/pgbouncer.py), as a deployment behind one does (DATABASE_POOLER=pgbouncer-transaction)."""
+    if not os.environ.get("TEST_PGBOUNCER"):
+        yield
+        return
+    from django.db import connections
+
+    from tests.pgbouncer import pgbouncer
+
+    db = settings.DATABASES["default"]
+    direct = {key: db[key] for key in ("HOST", "PORT")}
+    with pgbouncer(host=db["HOST"] or "127.0.0.1", port=int(db["PORT"] or 5432), user=db["USER"] or "postgres",
+                   pool_size=int(os.environ.get("TEST_PGBOUNCER_POOL_SIZE", "4"))) as port:
+        for handle in [db, *(c.settings_dict for c in connections.all())]:
+            handle.update(HOST="127.0.0.1", PORT=str(port))
+        connections.close_all()
+        try:
+            yield
+        finally:
+            connections.close_all()
+            for handle in [db, *(c.settings_dict for c in connections.all())]:
+                handle.update(direct)
 
 
 @pytest.fixture(autouse=True)

@@ -37,8 +37,11 @@ def test_deferred_statements_ride_with_the_next_one_in_order_and_read_their_retu
         assert len(ids) == 1
         batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [7])  # left for the end of the block
     assert count(scratch) == 3
-    # BEGIN with the first two INSERTs and the SELECT; the third INSERT with COMMIT.
-    assert (wire.round_trips, wire.statements) == (2, 6), wire.lines
+    # psycopg's BEGIN; the first two INSERTs with the SELECT; the third at the end of the block (the
+    # pipeline's Sync); COMMIT. (Before pipeline mode: BEGIN rode with the first, COMMIT with the last,
+    # psycopg set to autocommit behind Django's back: 2 round trips.)
+    assert (wire.round_trips, wire.statements) == (4, 6), wire.trips
+    assert [len(trip) for trip in wire.trips] == [1, 3, 1, 1], wire.trips
 
 
 def test_a_failing_deferred_statement_raises_and_rolls_the_transaction_back(scratch):
@@ -76,16 +79,18 @@ def test_savepoints_ride_too_and_still_undo_what_was_done_inside_them(scratch):
             cursor.execute(f"SELECT array_agg(n ORDER BY n) FROM {scratch}")
             assert cursor.fetchone()[0] == [1, 3]
     assert count(scratch) == 2
-    queries = [line for line in wire.lines if "\tQuery\t" in line]
-    assert any("SAVEPOINT" in q and "VALUES (2)" in q for q in queries), queries
-    assert any("RELEASE SAVEPOINT" in q and "array_agg" in q for q in queries), queries
+    trips = [" ;".join(trip) for trip in wire.trips]
+    assert any(t.startswith("SAVEPOINT") and "VALUES (2)" in t for t in trips), trips
+    assert any(t.startswith("RELEASE SAVEPOINT") and "array_agg" in t for t in trips), trips
 
 
-def test_no_savepoint_opens_while_deferred_writes_wait(scratch):
-    with pytest.raises(RuntimeError, match="savepoint"), transaction.atomic(), batching.batch():
-        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [1])
-        with transaction.atomic():
-            pass
+def test_deferred_writes_leave_before_a_savepoint_opens(scratch):
+    """So that an error of theirs is never taken for one inside the savepoint (and undone with it)."""
+    with on_the_wire(connection) as wire, pytest.raises(DatabaseError), transaction.atomic(), batching.batch():
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [-1])  # the CHECK refuses it
+        with transaction.atomic():  # raises as it opens: the SAVEPOINT never leaves
+            pytest.fail("the savepoint opened")
+    assert not any(text.startswith("SAVEPOINT") for trip in wire.trips for text in trip), wire.trips
     assert count(scratch) == 0
 
 
@@ -145,10 +150,13 @@ def test_an_error_in_one_batched_write_rolls_the_whole_refund_back(api, policy, 
                                                  "reason": "customer_request"}, key=key)
 
     assert response.status_code == 500
-    (error,) = [i for i, line in enumerate(wire.lines) if "\tErrorResponse\t" in line]
-    failed = [line for line in wire.lines[:error] if "\tQuery\t" in line][-1]
-    assert all(table in failed for table in (  # the batched writes, all in that trip
-        '"audit_verdict"', '"audit_auditentry"', "refundops_outboxmessage", "refundops_idempotencyrecord")), failed[:2000]
+    (failed,) = [" ;".join(trip) for trip in wire.failed_trips]
+    # The batched writes leave as the block leaves the pipeline (psycopg sends them as the socket
+    # takes them: under load some may follow in the next packet); the spoiled one fails, no COMMIT goes.
+    table = {"verdict": '"audit_verdict"', "audit entry": '"audit_auditentry"',
+             "stored answer": "refundops_idempotencyrecord"}[spoiled]
+    assert table in failed, failed[:2000]
+    assert not any(text == "COMMIT" for trip in wire.trips for text in trip), wire.trips
     assert not Refund.objects.filter(payment_id=payment.pk).exists()
     assert not Refund.history.filter(payment_id=payment.pk).exists()
     assert not Verdict.objects.filter(payment_id=payment.pk).exists()
@@ -176,18 +184,16 @@ def test_a_statement_that_never_left_leaves_the_statements_after_it_in_the_trans
 
 
 def test_a_batched_commit_the_server_refuses_raises_and_leaves_the_connection_as_django_expects():
-    """BEGIN rode with the first statement (psycopg in autocommit for the transaction) and COMMIT with
-    the last: a COMMIT the server refuses (a deferred foreign key) still raises, leaves nothing, and
-    the connection is back in Django's autocommit with psycopg agreeing, ready for the next one."""
+    """A COMMIT the server refuses (a deferred foreign key) after the batch still raises, leaves nothing,
+    and the connection is back in Django's autocommit with psycopg agreeing, ready for the next one."""
     with connection.cursor() as cursor:
         cursor.execute("CREATE TABLE batching_parent (id int PRIMARY KEY)")
         cursor.execute("CREATE TABLE batching_child (parent int REFERENCES batching_parent DEFERRABLE INITIALLY DEFERRED)")
     try:
         with on_the_wire(connection) as wire, pytest.raises(DatabaseError), transaction.atomic(), batching.batch():
             batching.defer("INSERT INTO batching_child (parent) VALUES (%s)", [1])  # no parent 1: refused at COMMIT
-        last = [line for line in wire.lines if "\tQuery\t" in line][-1]
-        assert "INSERT INTO batching_child" in last and last.endswith('COMMIT"'), last
-        assert "\tErrorResponse\t" in "\n".join(wire.lines)
+        assert wire.failed_trips == [["COMMIT"]], wire.trips
+        assert any("INSERT INTO batching_child" in text for text in wire.trips[-2]), wire.trips
         assert count("batching_child") == 0
         assert connection.get_autocommit() and connection.connection.autocommit
         with transaction.atomic(), batching.batch():
@@ -207,7 +213,39 @@ def test_no_commit_rides_when_django_is_to_roll_back_or_inside_an_outer_transact
     with on_the_wire(connection) as wire, transaction.atomic():
         with transaction.atomic(), batching.batch():  # in a savepoint: the outer block commits
             batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s)", [2])
-        queries = [line for line in wire.lines if "\tQuery\t" in line]
-        assert not any("COMMIT" in q for q in queries), queries
+        assert not any("COMMIT" in text for trip in wire.trips for text in trip), wire.trips
         transaction.set_rollback(True)
     assert count(scratch) == 0
+
+
+class _Refused(Exception):
+    pass
+
+
+def test_a_callback_that_raises_leaves_nothing_committed(scratch):
+    """Issue 30, finding 2: a deferred statement's ``then`` runs before the COMMIT leaves, never after
+    it: one that raises rolls the transaction back, so an error never stands for a committed change."""
+
+    def refuse(cursor) -> None:
+        raise _Refused
+
+    with pytest.raises(_Refused), transaction.atomic(), batching.batch():
+        batching.defer(f"INSERT INTO {scratch} (n) VALUES (%s) RETURNING id", [1], then=refuse)
+    assert count(scratch) == 0
+
+
+def test_a_refund_whose_outbox_callback_raises_answers_an_error_only_when_nothing_committed(api, policy, monkeypatch):
+    """A refund answered with an error must not have committed (a retry with its key would replay 201)."""
+    from refundops import outbox
+
+    post(api, "/api/v1/refunds", {"transaction_id": make_payment().pk, "amount": 100, "reason": "duplicate"})
+    payment = make_payment(amount=5_000)
+
+    def refuse(ids) -> None:
+        raise _Refused
+
+    monkeypatch.setattr(outbox, "_nudge_after_commit", refuse)
+    with pytest.raises(_Refused):
+        post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 1_250, "reason": "customer_request"})
+    assert not Refund.objects.filter(payment_id=payment.pk).exists()
+    assert Payment.objects.values_list("amount_reserved_minor", flat=True).get(pk=payment.pk) == 0

@@ -25,7 +25,7 @@ from django.conf import settings as django_settings
 from django.db import connection, connections, transaction
 from kombu.transport import redis as kombu_redis
 
-from refundops import batching, outbox
+from refundops import outbox
 from refundops.celery import app as celery_app
 from refundops.logs import REQUEST_ID_TASK_HEADER, bind_request_id
 from refundops.models import OutboxMessage
@@ -401,14 +401,12 @@ def test_the_sender_publishes_each_message_as_apply_async_would():
         assert all(m["properties"]["reply_to"] for m in messages)
 
 
-def test_a_batch_the_broker_refused_is_the_relays_and_the_next_goes_through_a_new_producer(monkeypatch, settings):
-    """The sender keeps its producer (and kombu's publish batch on it) from batch to batch; a batch
-    the broker refused leaves its rows to the relay, and the next is sent on a producer built anew."""
+def test_a_batch_the_broker_refused_is_the_relays_and_the_next_goes_through(monkeypatch, settings):
+    """A batch the broker refused (kombu's publish batch, on a producer from Celery's pool) leaves
+    its rows to the relay, and the next batch is sent."""
     with broker_at(django_settings.REDIS_URL):
         commit("before")
         assert outbox.drain(timeout=30)
-        kept = outbox._sender.publisher
-        assert kept is not None
         flush = kombu_redis.PublishBatch.flush
         refusals = []
 
@@ -423,7 +421,7 @@ def test_a_batch_the_broker_refused_is_the_relays_and_the_next_goes_through_a_ne
         (refused,) = commit("refused")
         assert outbox.drain(timeout=30)
         commit("after")
-    assert refusals and outbox._sender.publisher is not kept
+    assert refusals
     assert sent_names() == ["after", "before"]
     row = OutboxMessage.objects.get(pk=refused)
     assert row.sent_at is None and "Connection reset by peer" in row.last_error
@@ -434,8 +432,8 @@ def test_a_batch_the_broker_refused_is_the_relays_and_the_next_goes_through_a_ne
 
 
 def test_the_senders_producer_follows_the_apps_broker():
-    """A producer kept from batch to batch still publishes where the app says: a broker moved (here
-    to one that is down) is the one the next batch goes to."""
+    """The sender publishes where the app says: a broker moved (here to one that is down) is the one
+    the next batch goes to."""
     from tests.test_outbox import DEAD_BROKER
 
     with broker_at(django_settings.REDIS_URL):
@@ -555,32 +553,3 @@ def test_a_trip_counted_by_the_sender_at_exit_sends_its_mail_before_the_process_
     assert [m["task"] for m in queued("default")] == ["refundops.tasks.mail_operators"]
     assert request_ids_queued("default") == {"refundops.tasks.mail_operators": "req-exit-trip"}
     assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
-
-
-def test_the_sender_and_the_relay_claim_and_mark_with_prepared_statements(monkeypatch, settings):
-    """The claim and the mark run once a batch: planned every time, they cost PostgreSQL more than
-    running them (docs/PERFORMANCE.md). Sent prepared, on each connection that runs them."""
-    asked: list[tuple[str, bool]] = []
-    statement = batching._Prepared.statement
-
-    def recorded(self, sql, params):
-        made = statement(self, sql, params)
-        asked.append((sql, made is not None))
-        return made
-
-    monkeypatch.setattr(batching._Prepared, "statement", recorded)
-    with broker_at(django_settings.REDIS_URL):
-        commit("first")
-        assert outbox.drain(timeout=30)
-        commit("second", "third")
-    assert (outbox._CLAIM["ids"], True) in asked and (outbox._SENT_SQL, True) in asked
-    assert sent_names() == ["first", "second", "third"]
-    assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()
-
-    (left,) = OutboxMessage.objects.bulk_create([OutboxMessage(task=POLL, kwargs={"refund_id": "left"},
-                                                               queue="default")])
-    settings.OUTBOX_GRACE_SECONDS = 0
-    with broker_at(django_settings.REDIS_URL):
-        assert outbox.relay_unsent() == 1
-    assert (outbox._CLAIM["any"], True) in asked
-    assert "left" in sent_names() and OutboxMessage.objects.get(pk=left.pk).sent_at is not None
