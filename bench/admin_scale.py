@@ -17,6 +17,7 @@ seed and about 6 GB; the machine is shared, so read the figures beside their flo
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -184,6 +185,7 @@ def main() -> None:
     import django
 
     django.setup()
+    logging.getLogger("refundops.request").setLevel(logging.WARNING)  # one line a request drowns the table
     if not args.reuse:
         started = time.perf_counter()
         seed(args.refunds)
