@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('audit', '0003_verdict_policy_input_shadow'),
+        ('audit', '0004_verdict_chained_by'),
     ]
 
     operations = [
