@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from django.db import models
+from django.db.models.fields.json import KeyTransform
 
 from audit.ids import new_id
 
@@ -96,7 +97,10 @@ class AuditEntry(models.Model):
     class Meta:
         ordering = ["-id"]
         verbose_name_plural = "audit entries"
-        indexes = [models.Index(fields=["id"], condition=models.Q(seq__isnull=True), name="audit_entry_unsealed")]
+        indexes = [models.Index(fields=["id"], condition=models.Q(seq__isnull=True), name="audit_entry_unsealed"),
+                   # The admin's search by payment or refund id, which an entry may name only in its data.
+                   models.Index(KeyTransform("payment_id", "data"), name="audit_entry_data_payment"),
+                   models.Index(KeyTransform("refund_id", "data"), name="audit_entry_data_refund")]
 
     def __str__(self) -> str:
         place = f"#{self.seq}" if self.seq is not None else "(unsealed)"

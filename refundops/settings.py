@@ -462,4 +462,7 @@ if not 30 < GATEWAY_ATTEMPT_LEASE_SECONDS < CELERY_VISIBILITY_TIMEOUT_SECONDS:
 # Business days a refund takes to reach the customer, by payment method.
 REFUND_ARRIVAL_DAYS = {"card": 7, "paypal": 3, "bank_transfer": 5, "wallet": 3}
 HELD_REFUND_EXPIRY_HOURS = env.int("HELD_REFUND_EXPIRY_HOURS", default=72)
+# Admin lists the planner expects to be longer than this show its estimate of the count (EXPLAIN)
+# rather than counting every row on every page; shorter ones are counted exactly.
+ADMIN_ESTIMATED_COUNT_ABOVE = env.int("ADMIN_ESTIMATED_COUNT_ABOVE", default=10_000)
 PAYMENT_LINK_EXPIRY_HOURS = env.int("PAYMENT_LINK_EXPIRY_HOURS", default=168)  # unpaid links are deactivated

@@ -15,7 +15,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 
-from audit.admin import HistoryAdmin, ReadOnlyHistoryAdmin, money_or_dash
+from audit.admin import EstimatedCountPaginator, ExactIdSearch, HistoryAdmin, ReadOnlyHistoryAdmin, money_or_dash
 from processors.money import currency_exponent, format_minor
 from refundops.callers import Caller
 from refundops.inputs import MAX_AMOUNT_MINOR
@@ -137,7 +137,7 @@ class StaffCaptureForm(OrderAmountForm):
 
 
 @admin.register(Payment)
-class PaymentAdmin(ReadOnlyHistoryAdmin):
+class PaymentAdmin(ExactIdSearch, ReadOnlyHistoryAdmin):
     ordering = ["-created_at"]
     # Narrow enough for a 1366 px laptop beside the filters: what is pending beside what is refunded,
     # the risks in one column, the gateway under the method.
@@ -148,6 +148,9 @@ class PaymentAdmin(ReadOnlyHistoryAdmin):
     search_fields = ["id", "processor_reference", "order_reference", "customer__email", "customer__name",
                      "=method_last4"]
     list_select_related = ["customer"]
+    show_full_result_count = False
+    paginator = EstimatedCountPaginator
+    exact_search = {"txn": ("id",), "cus": ("customer_id",), "@": ("customer__email__iexact",)}
     date_hierarchy = "captured_at"
     inlines = [RefundInline, DisputeInline]
     fieldsets = [

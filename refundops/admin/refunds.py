@@ -8,6 +8,7 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -19,7 +20,7 @@ from django.views.decorators.http import require_POST
 from approvals.models import ApprovalAuthority
 from approvals.services import approve_refund, reject_refund, resubmit_refund
 from audit import charts
-from audit.admin import ReadOnlyHistoryAdmin, admin_link, checks_table
+from audit.admin import EstimatedCountPaginator, ExactIdSearch, ReadOnlyHistoryAdmin, admin_link, checks_table
 from processors.money import currency_exponent, format_minor
 from refundops import reports
 from refundops.errors import ApiError
@@ -111,7 +112,7 @@ class RefundStatusFilter(admin.SimpleListFilter):
 
 
 @admin.register(Refund)
-class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
+class RefundAdmin(ExactIdSearch, RowLinks, ReadOnlyHistoryAdmin):
     inlines = [GatewayAttemptInline]
     ordering = ["-created_at"]
     # Narrow enough for a 1366 px laptop beside the filters: the origin is in the requester, the
@@ -126,6 +127,9 @@ class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
     list_select_related = ["payment__customer", "agent", "requested_by"]
     date_hierarchy = "created_at"
     show_full_result_count = False
+    paginator = EstimatedCountPaginator
+    exact_search = {"rf": ("id",), "txn": ("payment_id",), "cus": ("payment__customer_id",), "vd": ("verdict_id",),
+                    "@": ("payment__customer__email__iexact",)}
     actions = ["approve_selected", "reject_selected", "resubmit_selected"]
     fieldsets = [
         (None, {"fields": ["id", "payment", "amount", "status", "origin", "reason", "note", "created_at",
@@ -252,8 +256,11 @@ class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
     def held_queue_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
-        held = list(Refund.objects.filter(status=RefundState.HELD)
-                    .select_related("payment__customer", "agent", "requested_by").order_by("created_at"))
+        # A page at a time, oldest first: the whole queue at once was a megabyte of HTML.
+        page = Paginator(Refund.objects.filter(status=RefundState.HELD)
+                         .select_related("payment__customer", "agent", "requested_by").order_by("created_at", "id"),
+                         self.list_per_page).get_page(request.GET.get("p"))
+        held = page.object_list
         authorities = dict(ApprovalAuthority.objects.filter(user=request.user, is_active=True)
                            .values_list("currency", "max_amount_minor"))
         expiry = timedelta(hours=settings.HELD_REFUND_EXPIRY_HOURS)
@@ -266,7 +273,7 @@ class RefundAdmin(RowLinks, ReadOnlyHistoryAdmin):
                 for r in held]
         context = {
             **self.admin_site.each_context(request), "opts": self.opts, "title": "Held refunds",
-            "rows": rows, "can_decide": self.has_approve_permission(request),
+            "rows": rows, "page": page, "can_decide": self.has_approve_permission(request),
             "authorities": [format_minor(v, c) for c, v in sorted(authorities.items())],
             "expiry_hours": settings.HELD_REFUND_EXPIRY_HOURS,
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.db import models
 from django.db.models import Q
+from django.db.models.functions import Upper
 
 from simple_history.models import HistoricalRecords
 
@@ -35,6 +36,10 @@ class Customer(models.Model):
     address_changed_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     history = HistoricalRecords()
+
+    class Meta:
+        # The admin looks a customer's payments and refunds up by email, in any case (iexact).
+        indexes = [models.Index(Upper("email"), name="customer_email_ci")]
 
     def __str__(self) -> str:
         return f"{self.name or self.email} ({self.id})"
