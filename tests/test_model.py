@@ -76,13 +76,22 @@ PROPERTIES = (
     "one_person_refunds_no_more_than_their_authority",
     "every_refusal_has_a_contract_code",
 )
-WAITING_FOR_A_FIX: dict[str, str] = {}
+WAITING_FOR_A_FIX: dict[str, str] = {
+    "every_window_sums_what_the_model_sums": "edges-dst (issue 27, finding 2)",
+    "paid_at_the_gateway_never_canceled_or_failed_silently": "edges-book (issue 27, finding 1)",
+    "nothing_stays_submitted_past_its_deadline": "edges-book (issue 27, finding 3)",
+    "reconcile_is_clean_only_when_the_books_agree": "edges-book (issue 27, findings 1 and 3)",
+    "a_canceled_refund_stays_canceled": "edges-book (issue 27, finding 4)",
+}
+if os.environ.get("MODEL_CHECK_ALL"):  # scripts/model --all: every property, fixed in main or not
+    WAITING_FOR_A_FIX.clear()
 # MODEL_UNCHECKED=name,name (scripts/model): leave those out of one run, e.g. to look past a known finding.
 WAITING_FOR_A_FIX.update({name: "left out by MODEL_UNCHECKED" for name in os.environ.get("MODEL_UNCHECKED", "").split(",")
                           if name})
 
-EXAMPLES = int(os.environ.get("MODEL_EXAMPLES", "60"))
-STEPS = int(os.environ.get("MODEL_STEPS", "40"))
+# CI's budget: about a minute on the shared 2-core machine (57 s for 10 x 30 under load 12-16).
+EXAMPLES = int(os.environ.get("MODEL_EXAMPLES", "10"))
+STEPS = int(os.environ.get("MODEL_STEPS", "30"))
 SEED = os.environ.get("MODEL_SEED")  # scripts/model sets one; CI runs derandomized
 
 ZONES = ("Atlantic/Azores", "America/Havana", "Asia/Kathmandu", "Australia/Adelaide", "Pacific/Kiritimati",
