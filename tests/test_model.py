@@ -151,6 +151,7 @@ class MoneyAndControls(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        MoneyAndControls.examples += 1
         self.world = WORLD
         self._savepoint = transaction.atomic()
         self._savepoint.__enter__()
@@ -159,6 +160,20 @@ class MoneyAndControls(RuleBasedStateMachine):
         self.in_flight = None  # an attempt whose call is on the wire (a_call_outlives_its_lease)
         self.decisions = 0  # decisions on proposals so far
         self._checked: dict[str, object] = {}  # property -> what it last checked (skipped when unchanged)
+
+    # How far a run got, printed at its end (scripts/model): examples, steps, and where a property
+    # first failed after a step (example, step), shrinking's examples included.
+    examples = steps = 0
+    first_failure: tuple[int, int] | None = None
+
+    def check_invariants(self, *args, **kwargs) -> None:
+        MoneyAndControls.steps += 1
+        try:
+            super().check_invariants(*args, **kwargs)
+        except AssertionError:
+            if MoneyAndControls.first_failure is None:
+                MoneyAndControls.first_failure = (MoneyAndControls.examples, MoneyAndControls.steps)
+            raise
 
     def teardown(self) -> None:
         if self._clock is not None:
@@ -693,7 +708,11 @@ def test_the_model_holds(world) -> None:
     """Every property above, after every step of every example."""
     machine = type("SeededModel", (MoneyAndControls,), {"_hypothesis_internal_use_seed": int(SEED)}) \
         if SEED is not None else MoneyAndControls
-    run_state_machine_as_test(machine, settings=model_settings())
+    try:
+        run_state_machine_as_test(machine, settings=model_settings())
+    finally:
+        print(f"model: {MoneyAndControls.examples} examples, {MoneyAndControls.steps} steps; a property first "
+              f"failed after (example, step) {MoneyAndControls.first_failure}")
 
 
 # -- the examples the model found, kept (TESTING.md): each replays its shrunk steps, every property
