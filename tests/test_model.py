@@ -108,7 +108,7 @@ LEASE = timedelta(seconds=settings.GATEWAY_ATTEMPT_LEASE_SECONDS)  # past it, a 
 AMOUNTS = (1_000, 3_000, 5_000, 10_000)
 STAFF_AUTHORITY = 10_000  # the person who refunds by hand may move 100.00 alone
 CLOCK_STEPS = (1, 3, 15, 30, 45, 60, 90, 180, 720, 24 * 60, 3 * 24 * 60)  # minutes
-LANDMARK_OFFSETS = (-90, -60, -31, -30, -1, 0, 1, 30, 59)  # minutes around a transition or midnight
+LANDMARK_OFFSETS = (-90, -60, -59, -45, -31, -30, -15, -1, 0, 1, 15, 30, 59)  # minutes around a transition or midnight
 PAYPAL_STATUS = {"COMPLETED": "succeeded", "PENDING": "pending", "FAILED": "failed", "CANCELLED": "canceled"}
 
 # What each control kind may be changed to (valid values only: the model proves four eyes, not forms).
