@@ -78,6 +78,7 @@ SLOW_TESTS = {
     "test_operator_traps.py::test_djangos_standard_gunicorn_command_serves_from_the_repository_root",
     "test_operator_traps.py::test_a_configuration_error_is_one_line_saying_what_to_set",
     "test_readme_and_docs.py::test_the_postgresql_command_creates_its_database",
+    "test_model.py::test_the_model_holds",
 }
 
 
