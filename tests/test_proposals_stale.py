@@ -16,7 +16,6 @@ from typing import Any, Callable
 import pytest
 from django.contrib.admin.utils import quote, unquote
 from django.contrib.auth.models import User
-from django.core.management import call_command
 from django.test import Client
 
 from approvals.models import ApprovalAuthority
@@ -29,19 +28,9 @@ from refundops.models import (Agent, HoldRules, Merchant, MerchantEndpoint, Paym
 from refundops.callers import Caller
 from refundops.services.refunds import request_refund
 from tests.conftest import make_limits, make_payment, make_rules
+from tests.test_four_eyes import staff
 
 pytestmark = pytest.mark.django_db
-
-
-def staff(username: str, role: str, **authority: int) -> tuple[User, Client]:
-    user = User.objects.create_user(username, password="pw")
-    call_command("grant_role", username, role, stdout=open("/dev/null", "w"))
-    for currency, amount in authority.items():
-        ApprovalAuthority.objects.create(user=user, currency=currency, max_amount_minor=amount)
-    user = User.objects.get(pk=user.pk)
-    client = Client()
-    client.force_login(user)
-    return user, client
 
 
 MULTIPLE_CHOICES = ("allowed_reasons",)  # checkboxes: one value per box ticked
