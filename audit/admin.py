@@ -58,6 +58,51 @@ class ExactIdSearch:
         return queryset.filter(match), False  # forward joins only: one row stays one row
 
 
+class IndexedValuesListFilter(admin.AllValuesFieldListFilter):
+    """Django's every-value filter, for a column with a b-tree index of its own: on PostgreSQL its
+    values are read by skipping through the index (a recursive CTE, one probe a distinct value)
+    instead of a ``SELECT DISTINCT`` that reads the whole table on every page. The same values,
+    all of them: an auditor looks for the rare action as much as the common one. Elsewhere
+    (SQLite, embedded) Django's own DISTINCT."""
+
+    def __init__(self, field, request, params, model, model_admin, field_path):
+        super().__init__(field, request, params, model, model_admin, field_path)
+        if connections[self.lookup_choices.db].vendor == "postgresql" and field_path == field.name:
+            table, column = model._meta.db_table, field.column
+            self.lookup_choices = _distinct_through_index(self.lookup_choices.db, table, column)
+
+
+def _distinct_through_index(alias: str, table: str, column: str) -> list:
+    """The column's distinct values, in order, NULL left out: each the next one after the last
+    (``ORDER BY … LIMIT 1`` on the index), PostgreSQL's "loose index scan"."""
+    qn = connections[alias].ops.quote_name
+    table, column = qn(table), qn(column)
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            f"WITH RECURSIVE v(x) AS ((SELECT {column} FROM {table} WHERE {column} IS NOT NULL ORDER BY 1 LIMIT 1)"
+            f" UNION ALL SELECT (SELECT {column} FROM {table} WHERE {column} > v.x ORDER BY 1 LIMIT 1)"
+            f" FROM v WHERE v.x IS NOT NULL) SELECT x FROM v WHERE x IS NOT NULL")
+        return [value for (value,) in cursor.fetchall()]
+
+
+class RecentValuesListFilter(admin.AllValuesFieldListFilter):
+    """Django's every-value filter for a column without an index of its own: the values among the
+    list's latest ``RECENT_ROWS`` rows (read along the list's ordering index) and the one chosen,
+    instead of a ``SELECT DISTINCT`` over the whole table on every page. A value seen only longer
+    ago is still filtered by its link or the URL (``?currency__exact=…``)."""
+
+    RECENT_ROWS = 10_000
+
+    def __init__(self, field, request, params, model, model_admin, field_path):
+        super().__init__(field, request, params, model, model_admin, field_path)
+        if field_path != field.name:
+            return  # a related model's column: Django's own
+        ordering = model_admin.get_ordering(request) or model._meta.ordering or ["-pk"]
+        latest = model_admin.get_queryset(request).order_by(*ordering)[:self.RECENT_ROWS]
+        values = {*latest.values_list(field.name, flat=True), *([self.lookup_val[-1]] if self.lookup_val else [])}
+        self.lookup_choices = sorted(values, key=lambda v: (v is None, v))
+
+
 class EstimatedCountPaginator(Paginator):
     """Django's paginator, except that a long list on PostgreSQL is counted by the planner's
     estimate (``EXPLAIN``: from ``pg_class.reltuples`` and the column statistics autovacuum's
@@ -72,6 +117,20 @@ class EstimatedCountPaginator(Paginator):
             if estimate >= settings.ADMIN_ESTIMATED_COUNT_ABOVE:
                 return int(estimate)
         return super().count
+
+    def page(self, number):
+        """A page's rows found by their keys first (``pk IN (… ORDER BY … LIMIT OFFSET)``), then
+        read with their joins: the rows an OFFSET skips are walked in the ordering's index only,
+        never joined to their payment, customer or agent (page 500 joined 50,000 rows to show 100)."""
+        number = self.validate_number(number)
+        bottom = (number - 1) * self.per_page
+        top = bottom + self.per_page
+        if top + self.orphans >= self.count:
+            top = self.count
+        rows = self.object_list
+        if isinstance(rows, QuerySet) and bottom:
+            return self._get_page(rows.filter(pk__in=rows.values("pk")[bottom:top]), number, self)
+        return self._get_page(rows[bottom:top], number, self)
 
 
 
@@ -258,10 +317,12 @@ def json_block(data: Any) -> SafeString:
 class VerdictAdmin(ExactIdSearch, ReadOnlyAdmin):
     list_display = ["id", "created_at", "operation", "outcome", "code", "caller", "amount", "payment",
                     "refund", "deduplicated", "dry_run"]
-    list_filter = ["outcome", "code", "operation", "agent_name", "deduplicated", "dry_run", "currency"]
+    # No filter reads every verdict for its choices, nor does a date drill-down (DISTINCT years).
+    list_filter = ["outcome", ("code", IndexedValuesListFilter), ("operation", RecentValuesListFilter),
+                   ("agent_name", RecentValuesListFilter), "deduplicated", "dry_run",
+                   ("currency", RecentValuesListFilter), ("created_at", admin.DateFieldListFilter)]
     search_fields = ["id", "payment_id", "refund_id", "idempotency_key", "agent_id", "agent_name",
                      "key_prefix", "staff_username"]
-    date_hierarchy = "created_at"
     show_full_result_count = False  # a COUNT(*) over every verdict on each page is not worth it
     paginator = EstimatedCountPaginator
     exact_search = {"vd": ("id",), "txn": ("payment_id",), "rf": ("refund_id",)}
@@ -319,9 +380,9 @@ class VerdictAdmin(ExactIdSearch, ReadOnlyAdmin):
 @admin.register(AuditEntry)
 class AuditEntryAdmin(ExactIdSearch, ReadOnlyAdmin):
     list_display = ["seq", "created_at", "actor", "action", "subject_type", "subject_id", "summary"]
-    list_filter = ["action", "subject_type"]
+    list_filter = [("action", IndexedValuesListFilter), ("subject_type", RecentValuesListFilter),
+                   ("created_at", admin.DateFieldListFilter)]
     search_fields = ["actor", "action", "subject_type", "subject_id", "data"]  # data: e.g. a payment id inside
-    date_hierarchy = "created_at"
     show_full_result_count = False
     paginator = EstimatedCountPaginator
     # An entry names a payment or refund as its subject or inside its data (both indexed).

@@ -161,6 +161,17 @@ def pages(n: int) -> list[tuple[str, str, str]]:
     ]
 
 
+def slowest_queries(client, url: str, top: int = 3) -> list[tuple[float, str]]:
+    """The page's slowest statements (seconds, SQL), warm: where to point EXPLAIN ANALYZE."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    with CaptureQueriesContext(connection) as captured:
+        client.get(url)
+    timed = sorted(((float(q["time"]), q["sql"]) for q in captured.captured_queries), reverse=True)
+    return timed[:top]
+
+
 def time_page(client, url: str, runs: int) -> tuple[float, float, int]:
     started = time.perf_counter()
     status = client.get(url).status_code
@@ -178,6 +189,8 @@ def main() -> None:
     parser.add_argument("--refunds", type=int, default=1_000_000)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--reuse", action="store_true", help="time the pages on the database already seeded")
+    parser.add_argument("--queries", action="store_true", help="also print each page's slowest statements")
+    parser.add_argument("--only", default="", help="time only the pages whose name contains this")
     args = parser.parse_args()
 
     os.environ.update(DATABASE_URL=f"{PG}/{DB_NAME}", DJANGO_SETTINGS_MODULE="refundops.settings")
@@ -215,9 +228,14 @@ def main() -> None:
     floor = {role: time_page(c, reverse("admin:index"), args.runs) for role, c in clients.items()}
     print(f"{'page (' + format(args.refunds, ',') + ' refunds)':<42} {'cold s':>8} {'warm s':>8} {'floor s':>8}")
     for role, what, url in pages(args.refunds):
+        if args.only not in what:
+            continue
         cold, warm, status = time_page(clients[role], url, args.runs)
         note = "" if status == 200 else f"  (HTTP {status})"
         print(f"{what:<42} {cold:8.3f} {warm:8.3f} {floor[role][1]:8.3f}{note}", flush=True)
+        if args.queries:
+            for seconds, sql in slowest_queries(clients[role], url):
+                print(f"    {seconds:6.3f} s  {sql[:400]}", flush=True)
 
 
 if __name__ == "__main__":

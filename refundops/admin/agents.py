@@ -7,7 +7,13 @@ from django.http import HttpResponseRedirect
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from audit.admin import HistoryAdmin, ReadOnlyAdmin, ReadOnlyHistoryAdmin
+from audit.admin import (
+    EstimatedCountPaginator,
+    HistoryAdmin,
+    ReadOnlyAdmin,
+    ReadOnlyHistoryAdmin,
+    RecentValuesListFilter,
+)
 from refundops.models import (
     AgentRead,
     Merchant,
@@ -195,6 +201,7 @@ class AgentReadAdmin(ReadOnlyAdmin):
     """Who looked at which payment or refund, and with which key."""
 
     list_display = ["read_at", "agent_id", "key_prefix", "operation", "payment_id", "refund_id"]
-    list_filter = ["operation"]
+    list_filter = [("operation", RecentValuesListFilter), ("read_at", admin.DateFieldListFilter)]
     search_fields = ["=agent_id", "=payment_id", "=refund_id", "=key_prefix"]
-    date_hierarchy = "read_at"
+    show_full_result_count = False
+    paginator = EstimatedCountPaginator  # millions of reads: the planner's estimate, not a COUNT(*)

@@ -15,7 +15,14 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 
-from audit.admin import EstimatedCountPaginator, ExactIdSearch, HistoryAdmin, ReadOnlyHistoryAdmin, money_or_dash
+from audit.admin import (
+    EstimatedCountPaginator,
+    ExactIdSearch,
+    HistoryAdmin,
+    ReadOnlyHistoryAdmin,
+    RecentValuesListFilter,
+    money_or_dash,
+)
 from processors.money import currency_exponent, format_minor
 from refundops.callers import Caller
 from refundops.inputs import MAX_AMOUNT_MINOR
@@ -143,15 +150,14 @@ class PaymentAdmin(ExactIdSearch, ReadOnlyHistoryAdmin):
     # the risks in one column, the gateway under the method.
     list_display = ["id", "customer_name", "captured", "refundable", "refunded", "status", "risks", "method_and_gateway",
                     "captured_at"]
-    list_filter = ["status", "processor", "dispute_status", "paid_twice",
-                   ("currency", admin.AllValuesFieldListFilter), "method_type"]
+    list_filter = ["status", "processor", "dispute_status", "paid_twice", ("currency", RecentValuesListFilter),
+                   ("method_type", RecentValuesListFilter), ("captured_at", admin.DateFieldListFilter)]
     search_fields = ["id", "processor_reference", "order_reference", "customer__email", "customer__name",
                      "=method_last4"]
     list_select_related = ["customer"]
     show_full_result_count = False
     paginator = EstimatedCountPaginator
     exact_search = {"txn": ("id",), "cus": ("customer_id",), "@": ("customer__email__iexact",)}
-    date_hierarchy = "captured_at"
     inlines = [RefundInline, DisputeInline]
     fieldsets = [
         (None, {"fields": ["id", "customer", "status", "processor", "processor_account", "processor_reference",

@@ -109,6 +109,8 @@ class Payment(models.Model):
             models.CheckConstraint(condition=Q(method_last4="") | Q(method_last4__regex=r"^[0-9]{4}$"),
                                    name="payment_last4_is_four_digits"),
         ]
+        # The admin's list, newest first (its ordering, and -pk Django adds): read along it, not sorted.
+        indexes = [models.Index(fields=["created_at", "id"], name="payment_created_order")]
 
     def __str__(self) -> str:
         return f"{self.id} {self.captured}"

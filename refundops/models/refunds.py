@@ -100,6 +100,8 @@ class Refund(ConcurrentTransitionMixin, models.Model):
                                     name="refund_unique_processor_refund"),
         ]
         indexes = [models.Index(fields=["status", "created_at"]),
+                   # The admin's list sorted by amount (and -pk, which Django adds), read along it.
+                   models.Index(fields=["amount_minor", "id"], name="refund_amount_order"),
                    models.Index(F("synced_at").asc(nulls_first=True), "submitted_at",
                                 condition=Q(status="submitted"), name="refund_submitted_sync_order")]
         permissions = [("approve_refund", "Can approve or reject held refunds")]
