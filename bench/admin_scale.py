@@ -9,8 +9,9 @@ refund history rows, 2.9 audit entries and 1.9 agent reads; a customer for every
 ``--reuse`` keeps an already seeded database (same size) and only times the pages.
 
 Then it opens each page as the demo roles would (a finance approver, an auditor) through Django's
-test client, in this process: the median of ``--runs`` warm runs after one cold one, beside a floor
-(the admin index, timed the same way in the same run). A million refunds takes several minutes to
+test client, in this process: the median of ``--runs`` warm runs after one cold one, and of this
+process's CPU in the warm runs, beside a floor (the admin index, timed the same way in the same
+run). ``--queries`` also prints each page's slowest statements, to EXPLAIN ANALYZE. A million refunds takes several minutes to
 seed and about 6 GB; the machine is shared, so read the figures beside their floor.
 """
 
@@ -172,16 +173,19 @@ def slowest_queries(client, url: str, top: int = 3) -> list[tuple[float, str]]:
     return timed[:top]
 
 
-def time_page(client, url: str, runs: int) -> tuple[float, float, int]:
+def time_page(client, url: str, runs: int) -> tuple[float, float, float, int]:
+    """Cold and warm median wall time, and the warm median of this process's CPU (Django's own
+    work: the database's is not in it), which the machine's load moves less than the wall time."""
     started = time.perf_counter()
     status = client.get(url).status_code
     cold = time.perf_counter() - started
-    warm = []
+    warm, cpu = [], []
     for _ in range(runs):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         client.get(url)
         warm.append(time.perf_counter() - started)
-    return cold, statistics.median(warm), status
+        cpu.append(time.process_time() - started_cpu)
+    return cold, statistics.median(warm), statistics.median(cpu), status
 
 
 def main() -> None:
@@ -226,13 +230,15 @@ def main() -> None:
     from django.urls import reverse
 
     floor = {role: time_page(c, reverse("admin:index"), args.runs) for role, c in clients.items()}
-    print(f"{'page (' + format(args.refunds, ',') + ' refunds)':<42} {'cold s':>8} {'warm s':>8} {'floor s':>8}")
+    print(f"{'page (' + format(args.refunds, ',') + ' refunds)':<42} {'cold s':>8} {'warm s':>8} {'floor s':>8}"
+          f" {'cpu s':>8} {'floor cpu':>9}")
     for role, what, url in pages(args.refunds):
         if args.only not in what:
             continue
-        cold, warm, status = time_page(clients[role], url, args.runs)
+        cold, warm, cpu, status = time_page(clients[role], url, args.runs)
         note = "" if status == 200 else f"  (HTTP {status})"
-        print(f"{what:<42} {cold:8.3f} {warm:8.3f} {floor[role][1]:8.3f}{note}", flush=True)
+        print(f"{what:<42} {cold:8.3f} {warm:8.3f} {floor[role][1]:8.3f} {cpu:8.3f} {floor[role][2]:9.3f}{note}",
+              flush=True)
         if args.queries:
             for seconds, sql in slowest_queries(clients[role], url):
                 print(f"    {seconds:6.3f} s  {sql[:400]}", flush=True)

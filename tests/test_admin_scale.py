@@ -179,3 +179,21 @@ def test_a_deep_page_joins_only_its_own_rows(finance, world, monkeypatch):
 ])
 def test_the_lists_orderings_are_read_along_an_index(world, queryset, index):
     assert index in plan(queryset())
+
+
+def test_the_dashboard_finds_people_decisions_paid_twice_and_disputes_through_small_indexes(finance, world):
+    """Not the whole audit log for the few entries people wrote, nor every payment for the few paid
+    twice or disputed (a DISTINCT over payments joined to their refunds, before)."""
+    _, queries = get_with_queries(finance, reverse("admin:refundops_dashboard"))
+    assert [q for q in queries if "DISTINCT" in q.upper()] == []
+    wanted = {"audit_entry_people": "LIKE 'user:%'", "payment_paid_twice": '"refundops_payment"."paid_twice"',
+              "payment_dispute_open": '"refundops_payment"."dispute_status" ='}
+    for index, marker in wanted.items():
+        found = [q for q in queries if marker in q]
+        assert found, (index, queries)
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL enable_seqscan = off")
+            for sql in found:
+                cursor.execute(f"EXPLAIN {sql}")
+                assert index in "\n".join(row[0] for row in cursor.fetchall()), sql
+            cursor.execute("SET LOCAL enable_seqscan = on")

@@ -1,23 +1,10 @@
-# The admin's lists at size (issue 31): the payment list's order and the refund list sorted by amount
-# read along an index instead of sorting a million rows on each page.
+# The admin's lists and the finance dashboard at size (issue 31): the payment list's order, the refund
+# list sorted by amount, and the dashboard's payments paid twice or disputed, read along indexes
+# instead of sorting or counting a million rows on each page.
 
-from django.contrib.postgres.operations import AddIndexConcurrently
 from django.db import migrations, models
 
-
-class AddIndexConcurrentlyOnPostgres(AddIndexConcurrently):
-    """``CREATE INDEX CONCURRENTLY`` on PostgreSQL, so a production table takes writes while the
-    index builds; a plain index elsewhere (SQLite, the embedded mode)."""
-
-    def database_forwards(self, app_label, schema_editor, from_state, to_state):
-        if schema_editor.connection.vendor == "postgresql":
-            return super().database_forwards(app_label, schema_editor, from_state, to_state)
-        return migrations.AddIndex.database_forwards(self, app_label, schema_editor, from_state, to_state)
-
-    def database_backwards(self, app_label, schema_editor, from_state, to_state):
-        if schema_editor.connection.vendor == "postgresql":
-            return super().database_backwards(app_label, schema_editor, from_state, to_state)
-        return migrations.AddIndex.database_backwards(self, app_label, schema_editor, from_state, to_state)
+from audit.db_operations import AddIndexConcurrentlyOnPostgres
 
 
 class Migration(migrations.Migration):
@@ -32,6 +19,16 @@ class Migration(migrations.Migration):
         AddIndexConcurrentlyOnPostgres(
             model_name='payment',
             index=models.Index(fields=['created_at', 'id'], name='payment_created_order'),
+        ),
+        AddIndexConcurrentlyOnPostgres(
+            model_name='payment',
+            index=models.Index(condition=models.Q(('paid_twice', True)), fields=['created_at'],
+                               name='payment_paid_twice'),
+        ),
+        AddIndexConcurrentlyOnPostgres(
+            model_name='payment',
+            index=models.Index(condition=models.Q(('dispute_status', 'open')), fields=['id'],
+                               name='payment_dispute_open'),
         ),
         AddIndexConcurrentlyOnPostgres(
             model_name='refund',
