@@ -82,3 +82,16 @@ def test_psycopg_pipeline_and_prepared_statements_are_the_documented_ones():
     """Nothing private of psycopg's is used any more (issue 30): pipeline mode and the connection's
     ``prepare_threshold`` and ``prepared_max`` are its public API."""
     assert all(hasattr(psycopg.Connection, name) for name in ("pipeline", "prepare_threshold", "prepared_max"))
+
+
+def test_djangos_every_value_list_filter_keeps_its_choices_and_chosen_value_where_ours_replace_them():
+    """audit/admin.py's IndexedValuesListFilter and RecentValuesListFilter replace
+    ``AllValuesFieldListFilter.lookup_choices`` (a lazy DISTINCT set in ``__init__``, read by
+    ``choices()``) after ``__init__``, and read the chosen value from ``lookup_val`` (a list)."""
+    from django.contrib.admin.filters import AllValuesFieldListFilter
+
+    init, choices = inspect.getsource(AllValuesFieldListFilter.__init__), inspect.getsource(
+        AllValuesFieldListFilter.choices)
+    assert "self.lookup_choices = (" in init and ".distinct()" in init
+    assert "self.lookup_val = params.get(self.lookup_kwarg)" in init
+    assert "for i, val in enumerate(self.lookup_choices)" in choices and "val in self.lookup_val" in choices
