@@ -130,10 +130,13 @@ def seed(n: int) -> None:
 
 def pages(n: int) -> list[tuple[str, str, str]]:
     """(role, what, url): the rows of issue 31's table that are admin pages."""
+    from urllib.parse import urlencode
+
     from django.urls import reverse
+    from django.utils import timezone
 
     mid = n // 2
-    month_ago = datetime.date.today() - datetime.timedelta(days=30)
+    month_ago = (timezone.now() - datetime.timedelta(days=30)).isoformat()
     import hashlib
 
     def hexid(prefix: str, salt: str, i: int, size: int = 24) -> str:
@@ -161,8 +164,8 @@ def pages(n: int) -> list[tuple[str, str, str]]:
         ("finance", "refunds sorted by amount", f"{refunds}?o=2"),
         ("finance", "held queue", reverse("admin:refundops_refund_held")),
         ("finance", "a refund's page", reverse("admin:refundops_refund_change", args=[refund])),
-        ("auditor", "CSV export of a month: first byte", f"{reverse('admin:refundops_refund_export_csv')}?"
-                                                         f"created_at__gte={month_ago:%Y-%m-%d}"),
+        ("auditor", "CSV export of a month: first byte",
+         f"{reverse('admin:refundops_refund_export_csv')}?{urlencode({'created_at__gte': month_ago})}"),
     ]
 
 
