@@ -62,8 +62,8 @@ class IndexedValuesListFilter(admin.AllValuesFieldListFilter):
     """Django's every-value filter, for a column with a b-tree index of its own: on PostgreSQL its
     values are read by skipping through the index (a recursive CTE, one probe a distinct value)
     instead of a ``SELECT DISTINCT`` that reads the whole table on every page. The same values,
-    all of them: an auditor looks for the rare action as much as the common one. Elsewhere
-    (SQLite, embedded) Django's own DISTINCT."""
+    all of them (for columns never NULL, as NULL is left out): an auditor looks for the rare action
+    as much as the common one. Elsewhere (SQLite, embedded) Django's own DISTINCT."""
 
     def __init__(self, field, request, params, model, model_admin, field_path):
         super().__init__(field, request, params, model, model_admin, field_path)
@@ -89,7 +89,7 @@ class RecentValuesListFilter(admin.AllValuesFieldListFilter):
     """Django's every-value filter for a column without an index of its own: the values among the
     list's latest ``RECENT_ROWS`` rows (read along the list's ordering index) and the one chosen,
     instead of a ``SELECT DISTINCT`` over the whole table on every page. A value seen only longer
-    ago is still filtered by its link or the URL (``?currency__exact=…``)."""
+    ago is still filtered by the URL (``?currency=…``), and kept in the list once chosen."""
 
     RECENT_ROWS = 10_000
 
