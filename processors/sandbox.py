@@ -126,17 +126,35 @@ class SandboxProcessor:
     def fetch_payment_book(self, payment: PaymentRef, *,
                            known_refund_ids: Sequence[str] = ()) -> PaymentBook:
         """The charge and every refund of it, from the sandbox's own ledger."""
+        book = self.fetch_payment_books([payment])[payment.reference]
+        if isinstance(book, ProcessorDeclined):
+            raise book
+        return book
+
+    def fetch_payment_books(self, payments: Sequence[PaymentRef], *,
+                            known_refund_ids: Mapping[str, Sequence[str]] | None = None,
+                            ) -> dict[str, PaymentBook | ProcessorDeclined]:
+        """Many payments' books in two queries (reconcile reads a chunk at a time): by reference,
+        each book, or the refusal ``fetch_payment_book`` would raise for it."""
         self._control()
-        charge = SandboxCharge.objects.filter(reference=payment.reference).first()
-        if charge is None:
-            raise ProcessorDeclined(f"no sandbox charge {payment.reference}", code="no_such_charge")
-        refunds = tuple(
-            GatewayRefund(processor_refund_id=result.processor_refund_id, amount=result.amount,
-                          status=result.status, our_refund_id=str(refund.metadata.get("refund_id") or ""),
-                          created_at=refund.created_at)
-            for refund in charge.refunds.order_by("created_at", "pk") for result in [self._result(refund)])
-        captured = 0 if charge.voided else charge.captured_minor
-        return PaymentBook(reference=charge.reference, captured=Money(captured, charge.currency), refunds=refunds)
+        charges = {c.reference: c for c in SandboxCharge.objects.filter(reference__in=[p.reference for p in payments])}
+        refunds: dict[int, list[GatewayRefund]] = {}
+        for refund in SandboxRefund.objects.filter(charge__in=charges.values()).order_by("created_at", "pk"):
+            result = self._result(refund)
+            refunds.setdefault(refund.charge_id, []).append(GatewayRefund(
+                processor_refund_id=result.processor_refund_id, amount=result.amount, status=result.status,
+                our_refund_id=str(refund.metadata.get("refund_id") or ""), created_at=refund.created_at))
+        books: dict[str, PaymentBook | ProcessorDeclined] = {}
+        for payment in payments:
+            charge = charges.get(payment.reference)
+            if charge is None:
+                books[payment.reference] = ProcessorDeclined(f"no sandbox charge {payment.reference}",
+                                                             code="no_such_charge")
+                continue
+            captured = 0 if charge.voided else charge.captured_minor
+            books[payment.reference] = PaymentBook(reference=charge.reference, captured=Money(captured, charge.currency),
+                                                   refunds=tuple(refunds.get(charge.pk, ())))
+        return books
 
     def void(self, payment: PaymentRef, *, idempotency_key: str, verdict_id: str) -> VoidResult:
         self._control()

@@ -233,3 +233,12 @@ def reconcile_ledgers() -> dict[str, int]:
                     run.checked, found, len(run.unreachable))
     return {"checked": run.checked, "discrepancies": found, "unreachable": len(run.unreachable),
             "unverifiable": len(run.unverifiable)}
+
+
+@shared_task
+def run_backtest(*, run_id: str) -> str:
+    """A backtest asked for in the admin (``refundops.services.backtest.start_backtest``)."""
+    from refundops.services.backtest import complete_backtest_run
+
+    run = complete_backtest_run(run_id=run_id)
+    return run.status if run else "gone"

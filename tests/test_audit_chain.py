@@ -12,6 +12,7 @@ import secrets
 import uuid
 import subprocess
 import sys
+import tracemalloc
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -20,6 +21,7 @@ from django.conf import settings
 from django.core.management import CommandError, ManagementUtility, call_command
 from django.db import DatabaseError, connection, transaction
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 
 from audit import chain
 from audit.models import AuditEntry, Verdict
@@ -98,6 +100,43 @@ def test_long_chains_report_progress_on_stderr():
     assert [line for line in err.splitlines() if line.startswith("…")] == [
         "… 3 entries verified", "… 6 entries verified"]
     assert out.startswith("7 audit entries checked")
+
+
+def test_progress_and_the_chunk_read_at_once_are_independent(monkeypatch):
+    """--progress-every once also set how many entries were loaded and held at once (2.36 GB at
+    250,000 on issue 31's 2.9 M entries): the chunk is its own option, read by keyset on seq."""
+    write_sealed(10)
+    chunks = []
+    checked_records = chain._records_fault
+    monkeypatch.setattr(chain, "_records_fault", lambda chunk: chunks.append(len(chunk)) or checked_records(chunk))
+    with CaptureQueriesContext(connection) as queries:
+        out, err = verify("--progress-every", "1000000", "--chunk-size", "4")
+    assert out.startswith("10 audit entries checked") and "…" not in err
+    assert chunks == [4, 4, 2]
+    reads = [q["sql"] for q in queries if q["sql"].startswith('SELECT "audit_auditentry"."id" AS "pk"')]
+    assert len(reads) == 3 and all(sql.endswith("LIMIT 4") for sql in reads)  # one bounded query a chunk
+    out, err = verify("--progress-every", "2", "--chunk-size", "5")
+    assert [line for line in err.splitlines() if line.startswith("…")] == [
+        f"… {n} entries verified" for n in (2, 4, 6, 8, 10)]
+
+
+def test_memory_held_by_verify_does_not_grow_with_the_chain():
+    """The peak Python allocation of a verify is the chunk's, not the chain's: six times the
+    entries, not six times the memory."""
+    def peak() -> int:
+        tracemalloc.start()
+        try:
+            assert list(chain.verify_chain(batch_size=50, progress_every=1_000_000))[-1][2] == "ok"
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    write_sealed(100)
+    peak(); small = peak()  # the first run warms Django's caches
+    write(500, start=101)
+    assert chain.seal_pending() == 500
+    large = peak()
+    assert large < 2 * small, (small, large)
 
 
 def test_an_append_takes_no_lock_and_leaves_the_entry_for_the_sealer():

@@ -21,8 +21,10 @@ from datetime import timedelta
 from io import StringIO
 
 import pytest
+from django.contrib.admin.utils import quote
 from django.contrib.auth.models import User
 from django.core.management import CommandError, call_command
+from django.urls import reverse
 from django.utils import timezone
 
 from audit.models import AuditEntry, Verdict
@@ -166,3 +168,59 @@ def test_drafts_are_checked_and_audited(finance, policy):
     assert draft.values["approval_threshold_minor"] == 1 and draft.status == PolicyDraft.Status.DRAFT
     assert draft.values["customer_daily_count"] == 1_000  # the rest from the active version
     assert AuditEntry.objects.filter(action="policy_draft.created", subject_id=draft.pk).exists()
+
+
+def test_the_admin_hands_the_backtest_to_the_worker_and_the_page_polls_its_progress(
+        history, finance, client, django_capture_on_commit_callbacks, monkeypatch):
+    """A year of requests took 170 s inside the admin's request (issue 31): now the request only
+    queues a run; the worker replays, writing its progress, and the page shows the result when done."""
+    from refundops.models import BacktestRun
+    from refundops.services import backtest as service
+
+    monkeypatch.setattr(service, "PROGRESS_EVERY", 2)
+    heard = []
+    replay = service.run_backtest
+
+    def replay_heard(*, progress, **kw):
+        heard.append("replayed")
+        return replay(**kw, progress=lambda n: heard.append(n) or progress(n))
+
+    monkeypatch.setattr(service, "run_backtest", replay_heard)
+    draft = create_draft(kind="rules", changes={"hold_flagged": False}, person=finance)
+    client.force_login(finance)
+    page = reverse("admin:refundops_policydraft_change", args=[quote(draft.pk)])
+    with django_capture_on_commit_callbacks(execute=False) as queued:
+        answer = client.post(reverse("admin:refundops_policydraft_backtest", args=[quote(draft.pk)]), {"days": "7"})
+    run = BacktestRun.objects.get()
+    assert answer.status_code == 302 and answer["Location"] == f"{page}?backtest={run.pk}#backtest"
+    assert (run.status, run.days, run.requested_by, heard) == ("queued", 7, "finance", [])  # nothing replayed inline
+    progress = reverse("admin:refundops_policydraft_backtest_progress", args=[quote(draft.pk), run.pk])
+    assert client.get(progress).json() == {"id": run.pk, "status": "queued", "replayed": 0, "total": None, "error": ""}
+    waiting = client.get(f"{page}?backtest={run.pk}").content.decode()
+    assert 'id="backtest-progress"' in waiting and progress in waiting and "backtest-summary" not in waiting
+
+    for callback in queued:  # the commit: the outbox hands the task to the (eager) worker
+        callback()
+    assert heard == ["replayed", 2, 4]
+    assert client.get(progress).json() == {"id": run.pk, "status": "done", "replayed": 5, "total": 5, "error": ""}
+    done = client.get(f"{page}?backtest={run.pk}").content.decode()
+    assert "<strong>5</strong> recorded requests since" in done and "<strong>1</strong> would change" in done
+    assert 'id="backtest-progress"' not in done and "PAYMENT_FLAGGED" in done
+    run.refresh_from_db()
+    monkeypatch.setattr(service, "run_backtest", replay)
+    command = backtest("--rules", draft.pk)
+    assert run.result == {**command, "since": run.result["since"]}  # the command's answer (a moment later)
+
+
+def test_a_backtest_run_that_fails_says_so_instead_of_polling_for_ever(history, finance, monkeypatch):
+    from refundops.models import BacktestRun
+    from refundops.services import backtest as service
+
+    draft = create_draft(kind="rules", changes={}, person=finance)
+    run = BacktestRun.objects.create(draft=draft, days=7)
+    monkeypatch.setattr(service, "run_backtest", lambda **kw: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        service.complete_backtest_run(run_id=run.pk)
+    run.refresh_from_db()
+    assert (run.status, run.error) == ("failed", "ZeroDivisionError: division by zero") and run.finished_at
+    assert service.complete_backtest_run(run_id=run.pk).status == "failed"  # a redelivered task does nothing

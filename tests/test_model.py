@@ -350,8 +350,8 @@ class MoneyAndControls(RuleBasedStateMachine):
     @rule()
     def reconcile(self) -> None:
         """A person's look at the books; what it says is checked here, not after every step."""
-        run = reconciliation.reconcile()
-        outcome = {check.payment_id: check.outcome for check in run.checks}
+        outcome: dict[str, str] = {}
+        reconciliation.reconcile(progress=lambda check: outcome.update({check.payment_id: check.outcome}))
         self.reconcile_is_clean_only_when_the_books_agree(outcome)
         self.nothing_stays_submitted_past_its_deadline(outcome)
 

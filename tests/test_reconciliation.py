@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from audit.models import AuditEntry
@@ -25,6 +27,7 @@ from processors.money import Money
 from processors.sandbox import SandboxProcessor
 from refundops.celery import app as celery_app
 from refundops.models import LedgerDiscrepancy, Payment, Refund, RefundState
+from refundops.services import reconciliation
 from refundops.services.refunds import sync_payment_amounts
 from tests.conftest import make_payment
 from tests.fakes.fixtures import paypal_payment, stripe_payment
@@ -335,3 +338,26 @@ def test_the_periodic_job_is_scheduled_and_reconciles(settings, gateways, stripe
 
     assert counts == {"checked": 1, "discrepancies": 1, "unreachable": 0, "unverifiable": 0}
     assert LedgerDiscrepancy.objects.get().kind == Kind.CAPTURE_MISMATCH
+
+
+def test_a_run_reads_books_and_known_refunds_per_chunk_and_keeps_only_its_findings(settings) -> None:
+    """Issue 31: 8-10 queries a payment and every check kept in memory (about 3 hours and all of it
+    held, at 850,000 payments). The sandbox's books and our known refund ids are read once a
+    chunk, the payments by keyset, and a run keeps the checks that found something."""
+    agreeing = [make_payment(amount=1_000 + i) for i in range(6)]
+    broken = make_payment(amount=5_000)
+    Payment.objects.filter(pk=broken.pk).update(amount_captured_minor=4_000, amount_authorized_minor=4_000)
+    heard: list[str] = []
+    with CaptureQueriesContext(connection) as queries:
+        run = reconciliation.reconcile(gateway="sandbox", chunk_size=3, progress=lambda c: heard.append(c.outcome))
+    assert (run.checked, run.agreed, [c.payment_id for c in run.checks]) == (7, 6, [broken.pk])
+    assert heard == ["agree"] * 6 + ["disagree"]
+    sql = [q["sql"] for q in queries]
+    assert sum('FROM "processors_sandboxcharge"' in q for q in sql) == 3  # a chunk each, not a payment each
+    assert sum('FROM "processors_sandboxrefund"' in q for q in sql) == 3
+    ours = [q for q in sql if '"refundops_refund"."payment_id" IN' in q]
+    assert len(ours) == 6  # a chunk's: the ids known to us before its books, our refunds after them
+    chunks = [q for q in sql if q.startswith('SELECT "refundops_payment"') and q.endswith("LIMIT 3")]
+    assert len(chunks) == 3 and len(agreeing) == 6
+    # The payments whose books plainly agree take no lock; the one that differs is compared under it.
+    assert sum("FOR UPDATE" in q and 'FROM "refundops_payment"' in q for q in sql) == 1

@@ -10,21 +10,22 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
-from django.http import HttpResponse, HttpResponseRedirect
+from django.http import HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
+from django.utils.dateparse import parse_datetime
 from django.utils.html import format_html, format_html_join
 from django.views.decorators.http import require_POST
 
 from audit.admin import MoneyAsMoneyAdmin
 from audit.models import Verdict
 from processors.money import format_minor
-from refundops.models import PolicyDraft
+from refundops.models import BacktestRun, PolicyDraft
 from refundops.services import drafts
-from refundops.services.backtest import OUTCOMES, Backtest, run_backtest
+from refundops.services.backtest import BACKTEST_CHANGES_KEPT, OUTCOMES, start_backtest
 
 MAX_DAYS = 366
-CHANGES_SHOWN = 200
+CHANGES_SHOWN = BACKTEST_CHANGES_KEPT
 
 
 def _values(value: dict[str, int]) -> str:
@@ -133,7 +134,11 @@ class PolicyDraftAdmin(MoneyAsMoneyAdmin, admin.ModelAdmin):
                       name=f"refundops_policydraft_{step}") for step in ("shadow", "unshadow", "promote", "drop")]
         disagreements = path("<path:object_id>/disagreements/", view(self.disagreements_view),
                              name="refundops_policydraft_disagreements")
-        return [*steps, disagreements, *super().get_urls()]
+        backtest = [path("<path:object_id>/backtest/", view(require_POST(self.backtest_view)),
+                         name="refundops_policydraft_backtest"),
+                    path("<path:object_id>/backtest/<str:run_id>/progress/", view(self.backtest_progress_view),
+                         name="refundops_policydraft_backtest_progress")]
+        return [*steps, disagreements, *backtest, *super().get_urls()]
 
     def disagreements_view(self, request, object_id: str) -> HttpResponse:
         """Where the draft, running in shadow, decided otherwise than the version that bound."""
@@ -173,62 +178,84 @@ class PolicyDraftAdmin(MoneyAsMoneyAdmin, admin.ModelAdmin):
 
     # -- the backtest, on the draft's page ---------------------------------------------------------
 
+    def backtest_view(self, request, object_id: str) -> HttpResponse:
+        """Hand the backtest to the worker and come back to the page, which polls its progress."""
+        draft = PolicyDraft.objects.filter(pk=unquote(object_id)).first()
+        if draft is None or not self.has_view_permission(request, draft):
+            raise PermissionDenied
+        try:
+            days = max(1, min(int(request.POST.get("days", 7)), MAX_DAYS))
+        except ValueError:
+            days = 7
+        run = start_backtest(draft=draft, days=days, person=request.user)
+        change = reverse("admin:refundops_policydraft_change", args=[quote(draft.pk)])
+        return HttpResponseRedirect(f"{change}?backtest={run.pk}#backtest")
+
+    def backtest_progress_view(self, request, object_id: str, run_id: str) -> JsonResponse:
+        run = BacktestRun.objects.filter(pk=run_id, draft_id=unquote(object_id)).first()
+        if run is None or not self.has_view_permission(request, run.draft):
+            raise PermissionDenied
+        return JsonResponse({"id": run.pk, "status": run.status, "replayed": run.replayed, "total": run.total,
+                             "error": run.error})
+
     def change_view(self, request, object_id, form_url="", extra_context=None):
         draft = PolicyDraft.objects.filter(pk=unquote(object_id)).first()
         extra: dict[str, Any] = {"days": 7, "draft": draft, **(extra_context or {})}
-        if draft is not None and request.method == "GET" and "days" in request.GET:
-            try:
-                days = max(1, min(int(request.GET["days"]), MAX_DAYS))
-            except ValueError:
-                days = 7
-            result = run_backtest(draft=draft, days=days)
-            extra.update(days=days, backtest=result, backtest_html=backtest_html(result))
+        run_id = request.GET.get("backtest")
+        run = BacktestRun.objects.filter(pk=run_id, draft=draft).first() if draft is not None and run_id else None
+        if run is not None:
+            extra.update(days=run.days, backtest_run=run,
+                         backtest_html=backtest_html(run.result) if run.status == BacktestRun.Status.DONE else "")
         return super().change_view(request, object_id, form_url, extra)
 
 
-def backtest_html(result: Backtest):
-    def table(title: str, keys, pick):
+def backtest_html(result: dict[str, Any]):
+    """A finished run's result (``Backtest.as_json()``, its changes cut to the first ones kept)."""
+    active, drafted = result["active"], result["draft"]
+
+    def table(title: str, section: str):
+        keys = sorted({*active[section], *drafted[section]}, key=OUTCOMES.index if section == "outcomes" else None)
         rows = format_html_join("", "<tr><th>{}</th><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", (
-            (key, a.count if (a := pick(result.active).get(key)) else 0, d.count if (d := pick(result.drafted).get(key)) else 0,
-             _values(a.value) if a else "–", _values(d.value) if d else "–") for key in keys))
+            (key, a["count"] if (a := active[section].get(key)) else 0,
+             d["count"] if (d := drafted[section].get(key)) else 0,
+             _values(a["value"]) if a else "–", _values(d["value"]) if d else "–") for key in keys))
         return format_html('<table class="backtest-table"><thead><tr><th>{}</th><th>active</th><th>draft</th>'
                            '<th>value, active</th><th>value, draft</th></tr></thead><tbody>{}</tbody></table>',
                            title, rows)
 
-    reasons = sorted({*result.active.reasons, *result.drafted.reasons})
-    codes = sorted({*result.active.codes, *result.drafted.codes})
+    def side(s: dict[str, Any]) -> str:
+        return " ".join(filter(None, (s["outcome"], s["code"], *s["hold_reasons"])))
+
     changed = format_html_join("", '<tr><td><a href="{}">{}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>', (
-        (reverse("admin:refundops_refund_change", args=[quote(c.refund_id)]) if c.refund_id
-         else reverse("admin:audit_verdict_change", args=[quote(c.verdict_id)]), c.refund_id or c.verdict_id,
-         f"{c.at:%Y-%m-%d %H:%M}", format_minor(c.amount_minor, c.currency),
-         " ".join(filter(None, (c.before[0], c.before[1], *c.before[2]))),
-         " ".join(filter(None, (c.after[0], c.after[1], *c.after[2])))) for c in result.changes[:CHANGES_SHOWN]))
+        (reverse("admin:refundops_refund_change", args=[quote(c["refund_id"])]) if c["refund_id"]
+         else reverse("admin:audit_verdict_change", args=[quote(c["verdict_id"])]), c["refund_id"] or c["verdict_id"],
+         f"{parse_datetime(c['at']):%Y-%m-%d %H:%M}", format_minor(c["amount"], c["currency"]),
+         side(c["active"]), side(c["draft"])) for c in result["changes"][:CHANGES_SHOWN]))
     more = (format_html("<p>… and {} more: <code>manage.py policy_backtest --{} {} --days {} --json</code> lists "
-                        "every one.</p>", len(result.changes) - CHANGES_SHOWN,
-                        "limits" if result.draft.kind == PolicyDraft.Kind.LIMITS else "rules", result.draft.pk,
-                        result.days) if len(result.changes) > CHANGES_SHOWN else "")
+                        "every one.</p>", result["changed"] - CHANGES_SHOWN, result["kind"], result["draft_id"],
+                        result["days"]) if result["changed"] > CHANGES_SHOWN else "")
     return format_html(
         '<p class="backtest-summary"><strong>{}</strong> recorded requests since {} replayed; '
         '<strong>{}</strong> would change.{}</p>{}{}{}{}'
         '<h3>Refunds whose outcome changes</h3><table class="backtest-changes"><thead><tr><th>refund</th>'
         '<th>at</th><th>amount</th><th>what happened</th><th>under the draft</th></tr></thead><tbody>{}</tbody>'
         '</table>{}',
-        result.requests, f"{result.since:%Y-%m-%d %H:%M}", len(result.changes),
-        f" ({result.skipped} recorded before verdicts kept their policy input: skipped.)" if result.skipped else "",
-        outcome_chart(result), table("outcome", OUTCOMES, lambda side: side.outcomes),
-        table("hold reason", reasons, lambda side: side.reasons) if reasons else "",
-        table("refusal code", codes, lambda side: side.codes) if codes else "", changed, more)
+        result["requests"], f"{parse_datetime(result['since']):%Y-%m-%d %H:%M}", result["changed"],
+        f" ({result['skipped']} recorded before verdicts kept their policy input: skipped.)" if result["skipped"] else "",
+        outcome_chart(result), table("outcome", "outcomes"),
+        table("hold reason", "hold_reasons") if active["hold_reasons"] or drafted["hold_reasons"] else "",
+        table("refusal code", "codes") if active["codes"] or drafted["codes"] else "", changed, more)
 
 
-def outcome_chart(result: Backtest):
+def outcome_chart(result: dict[str, Any]):
     """Inline SVG, nothing loaded from anywhere: per outcome, the active version's count beside the draft's."""
     width, height, top, bottom, group = 460, 220, 20, 40, 140
-    peak = max([1, *(t.count for side in (result.active, result.drafted) for t in side.outcomes.values())])
+    peak = max([1, *(t["count"] for side in (result["active"], result["draft"]) for t in side["outcomes"].values())])
     scale = (height - top - bottom) / peak
     bars = []
     for i, outcome in enumerate(OUTCOMES):
-        for j, (side, color, label) in enumerate(((result.active, "#9aa5b1", "active"), (result.drafted, "#2f6fb3", "draft"))):
-            count = side.outcomes[outcome].count
+        for j, (side, color, label) in enumerate(((result["active"], "#9aa5b1", "active"), (result["draft"], "#2f6fb3", "draft"))):
+            count = side["outcomes"][outcome]["count"]
             x, h = 30 + i * group + j * 50, count * scale
             y = height - bottom - h
             bars.append(format_html(

@@ -6,7 +6,7 @@ endpoints and deliveries). Everything is importable from ``refundops.models``.""
 from refundops.models.agents import Agent, AgentKey, Capability, new_agent_id
 from refundops.models.merchants import DEFAULT_MERCHANT_ID, AgentRead, Merchant, new_merchant_id
 from refundops.models.attempts import GatewayAttempt, new_gateway_attempt_id
-from refundops.models.controls import HoldRules, PlatformState, PolicyDraft, RefundLimits, new_policy_draft_id
+from refundops.models.controls import BacktestRun, HoldRules, PlatformState, PolicyDraft, RefundLimits, new_policy_draft_id
 from refundops.models.links import (
     Dispute,
     DisputeEvidenceDraft,
@@ -44,7 +44,7 @@ __all__ = [
     "DEFAULT_MERCHANT_ID", "AgentRead", "Merchant", "new_merchant_id",
     "BUCKET_SECONDS", "COUNTING_STATES", "RESERVING_STATES", "Agent", "AgentKey", "Capability", "Customer", "Dispute",
     "DisputeEvidenceDraft", "GatewayAttempt", "GatewayCustomer", "HoldRules", "LedgerDiscrepancy", "IdempotencyRecord", "MerchantEndpoint", "OutboxMessage", "Payment",
-    "PaymentLink", "PaymentLinkTemplate", "PaymentOperation", "PlatformState", "PolicyDraft", "Reason", "Refund", "RefundLimits",
+    "BacktestRun", "PaymentLink", "PaymentLinkTemplate", "PaymentOperation", "PlatformState", "PolicyDraft", "Reason", "Refund", "RefundLimits",
     "RefundState", "RefundTotalDelta", "WebhookDelivery", "new_agent_id", "new_customer_id", "new_discrepancy_id", "new_delivery_id", "new_dispute_id",
     "new_endpoint_id", "new_evidence_draft_id", "new_gateway_attempt_id", "new_link_template_id", "new_payment_id", "new_payment_link_id",
     "new_payment_operation_id", "new_policy_draft_id", "new_refund_id", "new_webhook_secret",

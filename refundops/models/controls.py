@@ -143,3 +143,40 @@ class PolicyDraft(models.Model):
         if self.kind == self.Kind.LIMITS:
             return RefundLimits(currency=self.currency, version=0, **self.values)
         return HoldRules(version=0, **self.values)
+
+
+
+def new_backtest_run_id() -> str:
+    from audit.ids import new_id
+
+    return new_id("bt")
+
+
+class BacktestRun(models.Model):
+    """A backtest asked for in the admin, run by the worker (a year of requests takes longer than
+    a request should): its progress, which the draft's page polls, then its result."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued", "Queued"
+        RUNNING = "running", "Running"
+        DONE = "done", "Done"
+        FAILED = "failed", "Failed"
+
+    id = models.CharField(primary_key=True, max_length=40, default=new_backtest_run_id, editable=False)
+    draft = models.ForeignKey(PolicyDraft, on_delete=models.CASCADE, related_name="backtest_runs")
+    days = models.PositiveIntegerField()
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.QUEUED)
+    replayed = models.PositiveIntegerField(default=0)  # requests replayed so far
+    total = models.PositiveIntegerField(null=True, blank=True)  # requests to replay, once counted
+    # Backtest.as_json(), its changes cut to the first ``BACKTEST_CHANGES_KEPT`` (``changed`` counts them all).
+    result = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    requested_by = models.CharField(max_length=150, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"backtest {self.pk} of {self.draft_id} over {self.days} days ({self.status})"

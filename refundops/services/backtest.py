@@ -15,18 +15,25 @@ policy. Requests recorded before verdicts kept their policy input are counted as
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.db import transaction
 from django.utils import timezone
 
 from audit.models import Verdict
-from refundops.models import HoldRules, PolicyDraft, RefundLimits
+from refundops import outbox
+from refundops.models import BacktestRun, HoldRules, PolicyDraft, RefundLimits
 from refundops.policy import evaluate_refund, replay_input
 
+log = logging.getLogger(__name__)
 OUTCOMES = ("approved", "held", "denied")
+PROGRESS_EVERY = 5_000  # requests replayed between two progress reports
+BACKTEST_CHANGES_KEPT = 200  # the changes a run kept for the admin keeps (the command lists every one)
 
 
 @dataclass
@@ -117,7 +124,9 @@ def recorded_requests(*, days: int, currency: str = "", now: datetime | None = N
     return since, verdicts
 
 
-def run_backtest(*, draft: PolicyDraft, days: int, now: datetime | None = None) -> Backtest:
+def run_backtest(*, draft: PolicyDraft, days: int, now: datetime | None = None,
+                 progress: Callable[[int], None] | None = None) -> Backtest:
+    """Replay; ``progress``, if given, hears the number replayed every ``PROGRESS_EVERY`` requests."""
     since, verdicts = recorded_requests(days=days, currency=draft.currency, now=now)
     result = Backtest(draft=draft, days=days, since=since)
     result.skipped = verdicts.filter(policy_input={}).exclude(code__in=_BEFORE_THE_POLICY).count()
@@ -142,7 +151,45 @@ def run_backtest(*, draft: PolicyDraft, days: int, now: datetime | None = None) 
         after = (decision.outcome, decision.code, tuple(decision.hold_reasons))
         if before != after:
             result.changes.append(Change(verdict_id, refund_id, payment_id, at, amount, currency, before, after))
+        if progress is not None and result.requests % PROGRESS_EVERY == 0:
+            progress(result.requests)
     return result
+
+
+def to_replay(*, draft: PolicyDraft, days: int, now: datetime | None = None) -> int:
+    _, verdicts = recorded_requests(days=days, currency=draft.currency, now=now)
+    return verdicts.exclude(policy_input={}).count()
+
+
+def start_backtest(*, draft: PolicyDraft, days: int, person) -> BacktestRun:
+    """Ask the worker for a backtest (the admin's way: a year of requests is minutes, not a request's
+    work); the draft's page polls the run's progress and shows its result."""
+    with transaction.atomic():
+        run = BacktestRun.objects.create(draft=draft, days=days, requested_by=person.get_username())
+        outbox.send_after_commit("refundops.tasks.run_backtest", {"run_id": run.pk})
+    return run
+
+
+def complete_backtest_run(*, run_id: str) -> BacktestRun | None:
+    """The worker's half: count, replay with progress written to the run's row, keep the result."""
+    claimed = BacktestRun.objects.filter(pk=run_id, status=BacktestRun.Status.QUEUED).update(
+        status=BacktestRun.Status.RUNNING)
+    run = BacktestRun.objects.select_related("draft").filter(pk=run_id).first()
+    if not claimed or run is None:
+        return run  # already run (a redelivered task) or gone
+    runs = BacktestRun.objects.filter(pk=run_id)
+    try:
+        runs.update(total=to_replay(draft=run.draft, days=run.days))
+        result = run_backtest(draft=run.draft, days=run.days, progress=lambda n: runs.update(replayed=n))
+    except Exception as exc:  # the page says so instead of polling for ever
+        log.exception("backtest %s failed", run_id)
+        runs.update(status=BacktestRun.Status.FAILED, error=f"{type(exc).__name__}: {exc}", finished_at=timezone.now())
+        raise
+    kept = result.as_json()
+    kept["changes"] = kept["changes"][:BACKTEST_CHANGES_KEPT]
+    runs.update(status=BacktestRun.Status.DONE, replayed=result.requests, result=kept, finished_at=timezone.now())
+    run.refresh_from_db()
+    return run
 
 
 # Refused before the policy runs: no policy input to keep, and no policy would decide otherwise.

@@ -21,12 +21,17 @@ class Command(BaseCommand):
         given = parser.add_mutually_exclusive_group()
         given.add_argument("--head", metavar="SEQ:HASH", help="a head printed earlier by `manage.py audit_head`")
         given.add_argument("--head-file", metavar="PATH", help="a file holding such a head")
-        parser.add_argument("--progress-every", type=int, default=10_000, metavar="N",
-                            help="report progress on stderr every N entries (default 10000)")
+        parser.add_argument("--progress-every", type=int, default=100_000, metavar="N",
+                            help="report progress on stderr every N entries (default 100000)")
+        parser.add_argument("--chunk-size", type=int, default=5_000, metavar="N",
+                            help="read and check N entries at a time (default 5000): what bounds memory")
 
-    def handle(self, *args, head: str | None, head_file: str | None, progress_every: int, **options):
+    def handle(self, *args, head: str | None, head_file: str | None, progress_every: int, chunk_size: int,
+               **options):
         if progress_every < 1:
             raise CommandError("--progress-every must be at least 1")
+        if chunk_size < 1:
+            raise CommandError("--chunk-size must be at least 1")
         try:
             kept = Head.parse(Path(head_file).read_text() if head_file else head) if (head or head_file) else None
         except (OSError, ValueError) as exc:
@@ -34,7 +39,8 @@ class Command(BaseCommand):
         if kept is None:
             self.stderr.write("No --head given: a deleted tail or an emptied log cannot be told from a shorter "
                               "chain. Keep `manage.py audit_head` outside the database and pass it here.")
-        for checked, bad, why in verify_chain(batch_size=progress_every, head=kept):
+        for checked, bad, why in verify_chain(batch_size=chunk_size, progress_every=progress_every,
+                                              head=kept):
             if why == "":
                 self.stderr.write(f"… {checked} entries verified")
             elif why != "ok":

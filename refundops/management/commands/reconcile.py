@@ -23,6 +23,9 @@ def _moment(text: str) -> datetime:
     return timezone.make_aware(moment) if timezone.is_naive(moment) else moment
 
 
+PROGRESS_EVERY = 10_000  # payments between two progress lines on stderr
+
+
 class Command(BaseCommand):
     help = ("Compare each gateway's captures and refunds with our ledger, per payment, and record every "
             "difference for a person to resolve. Exits 1 while any difference is open.")
@@ -36,7 +39,13 @@ class Command(BaseCommand):
     def handle(self, *args, gateway: str | None, since: str | None, as_json: bool, **options) -> None:
         moment = _moment(since) if since else None
 
+        seen = 0
+
         def progress(check: PaymentCheck) -> None:
+            nonlocal seen
+            seen += 1
+            if seen % PROGRESS_EVERY == 0:
+                self.stderr.write(f"… {seen} payments compared")
             if as_json:
                 return
             line = f"{check.payment_id} ({check.gateway}): {check.outcome}"
