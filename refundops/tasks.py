@@ -233,3 +233,11 @@ def reconcile_ledgers() -> dict[str, int]:
                     run.checked, found, len(run.unreachable))
     return {"checked": run.checked, "discrepancies": found, "unreachable": len(run.unreachable),
             "unverifiable": len(run.unverifiable)}
+
+
+@shared_task(ignore_result=True)
+def build_evidence_pack(pack_id: str) -> None:
+    """An auditor's evidence pack, asked for in the admin (refundops.services.evidence_packs)."""
+    from refundops.services import evidence_packs
+
+    evidence_packs.build_requested_pack(pack_id=pack_id)
