@@ -21,7 +21,7 @@ COPY templates templates
 # The code runs from /app as it is (nothing to install); static files are collected at build time
 # (development settings for this one step: collectstatic needs no secret).
 RUN REFUNDOPS_ENV=development python manage.py collectstatic --noinput -v0 \
-    && mkdir -p /app/var && chown refundops /app/var
+    && mkdir -p /app/var/evidence-packs && chown -R refundops /app/var
 
 USER refundops
 EXPOSE 8000
