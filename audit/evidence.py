@@ -644,6 +644,8 @@ def build_pack(*, start: datetime, end: datetime, out: str | Path, signing_key: 
             "heads": heads, "version": _product_version(), "built_at": timezone.now(),
             "exceptions": sum(c.exception_count for c in controls)})
         _Hashed(archive, "summary.html", digests).write_all([summary.encode()])
+        progress("summary.pdf")
+        _Hashed(archive, "summary.pdf", digests).write_all([summary_pdf(summary)])
         manifest = {"format": "refundops-evidence-pack/1", "period": {"from": start.isoformat(), "to": end.isoformat()},
                     "merchant": merchant_id, "product_version": _product_version(),
                     "built_at": timezone.now().isoformat(), "audit_chain_heads": heads,
@@ -653,6 +655,14 @@ def build_pack(*, start: datetime, end: datetime, out: str | Path, signing_key: 
         archive.writestr(MANIFEST, body)
         archive.writestr(SIGNATURE, base64.b64encode(signing_key.sign(body)) + b"\n")
     return PackResult(out, controls, manifest, hashlib.sha256(body).hexdigest())
+
+
+def summary_pdf(summary_html: str) -> bytes:
+    """The summary as a PDF, laid out by WeasyPrint (Pango underneath; no browser). The summary lists
+    at most LISTED_EXCEPTIONS ids per control, so it stays a few pages for any period."""
+    from weasyprint import HTML  # loads Pango: only when a pack is built
+
+    return HTML(string=summary_html).write_pdf()
 
 
 # -- verifying ------------------------------------------------------------------------------------

@@ -116,6 +116,7 @@ def test_the_pack_finds_exactly_the_planted_exceptions(tmp_path, signing):
     assert result.exception_count == sum(len(ids) for ids in expected.values())
     with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
         summary = pack.read("summary.html").decode()
+        pdf = pack.read("summary.pdf")
         manifest = json.loads(pack.read("manifest.json"))
         paid = pack.read("controls/paid_refunds.csv").decode()
         chain = pack.read("audit_chain_segment.csv").decode().splitlines()
@@ -125,11 +126,12 @@ def test_the_pack_finds_exactly_the_planted_exceptions(tmp_path, signing):
     for ids in expected.values():
         for row_id in ids:
             assert row_id in summary  # listed by id, never left out
+    assert pdf.startswith(b"%PDF-") and pdf.rstrip().endswith(b"%%EOF") and len(pdf) > 10_000
     assert "Held: all" in summary and "Exceptions: 2 of 3 rows" in summary
     assert "Exceptions: 1, listed below." in summary  # no drill: an absence, never an omission
     assert "paid without a verdict" in paid and "no person approved" in paid
     assert set(manifest["files"]) == {f"controls/{slug}.csv" for slug in expected if slug != "audit_chain"} | {
-        "audit_chain_segment.csv", "summary.html"}
+        "audit_chain_segment.csv", "summary.html", "summary.pdf"}
     heads = manifest["audit_chain_heads"]
     assert heads["verify_audit"] == "ok" and heads["start"].startswith("0:")
     assert heads["end"].split(":")[0] == str(AuditEntry.objects.order_by("-seq").values_list("seq", flat=True)[0])
@@ -166,6 +168,7 @@ TAMPERINGS = {
     "changed CSV": lambda m: {**m, "controls/paid_refunds.csv": m["controls/paid_refunds.csv"].replace(b"rf_", b"rX_", 1)},
     "changed chain segment": lambda m: {**m, "audit_chain_segment.csv": m["audit_chain_segment.csv"][:-40]},
     "changed summary": lambda m: {**m, "summary.html": m["summary.html"].replace(b"Exceptions", b"Held", 1)},
+    "changed PDF": lambda m: {**m, "summary.pdf": m["summary.pdf"][:-200] + b"%%EOF\n"},
     "removed file": lambda m: {k: v for k, v in m.items() if k != "controls/inbound_events.csv"},
     "added file": lambda m: {**m, "controls/extra.csv": b"id\n1\n"},
     "changed manifest": lambda m: {**m, "manifest.json": m["manifest.json"].replace(b'"exceptions"', b'"exceptionz"')},

@@ -25,7 +25,7 @@ from refundops.errors import ApiError
 from refundops.models import Merchant
 
 BUILD_TASK = "refundops.tasks.build_evidence_pack"
-STEPS = len(CONTROLS) + 1  # one per control, and the audit chain's segment
+STEPS = len(CONTROLS) + 2  # one per control, the audit chain's segment, and summary.pdf
 LONGEST_PERIOD_DAYS = 400  # a year and a bit: an audit period, not the platform's whole life
 
 
