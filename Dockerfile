@@ -5,6 +5,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
     REFUNDOPS_ENV=production STATIC_ROOT=/app/static REFUNDOPS_VAR_DIR=/app/var
 WORKDIR /app
 RUN useradd --system --uid 10001 --create-home --home-dir /home/refundops refundops
+# Pango and a font for WeasyPrint (the evidence pack's summary.pdf), from Debian's packages.
+RUN apt-get update && apt-get install -y --no-install-recommends libpango-1.0-0 libpangoft2-1.0-0 fonts-dejavu-core \
+    && rm -rf /var/lib/apt/lists/*
 
 # Dependencies first, from the lock file: a code change reuses this layer.
 COPY requirements.lock ./
@@ -21,7 +24,7 @@ COPY templates templates
 # The code runs from /app as it is (nothing to install); static files are collected at build time
 # (development settings for this one step: collectstatic needs no secret).
 RUN REFUNDOPS_ENV=development python manage.py collectstatic --noinput -v0 \
-    && mkdir -p /app/var && chown refundops /app/var
+    && mkdir -p /app/var/evidence-packs && chown -R refundops /app/var
 
 USER refundops
 EXPOSE 8000

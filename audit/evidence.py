@@ -300,12 +300,16 @@ def verdict_per_call(period: Period, control: Control):
 
 def gateway_writes(period: Period, control: Control):
     """Every call to a gateway that may move money carries a verdict reference and an idempotency key."""
-    from refundops.models import GatewayAttempt, PaymentOperation
+    from refundops.models import GatewayAttempt, Payment, PaymentLink, PaymentOperation
     attempts = GatewayAttempt.objects.filter(_in_period(period, "started_at"))
     operations = PaymentOperation.objects.filter(_in_period(period, "created_at"))
+    # A link on the sandbox is our own /pay page; on any other gateway, sending one creates it there.
+    links = PaymentLink.objects.filter(_in_period(period, "sent_at")).exclude(
+        payment__processor=Payment.Processor.SANDBOX)
     if period.merchant_id:
         attempts = attempts.filter(refund__payment__merchant_id=period.merchant_id)
         operations = operations.filter(payment__merchant_id=period.merchant_id)
+        links = links.filter(payment__merchant_id=period.merchant_id)
 
     def rows():
         for aid, at, refund_id, verdict_id, key, outcome in attempts.order_by("started_at", "pk").values_list(
@@ -316,6 +320,10 @@ def gateway_writes(period: Period, control: Control):
                 "pk", "created_at", "kind", "payment_id", "verdict_id", "verdict__idempotency_key", "status").iterator(
                 chunk_size=CHUNK):
             yield _write(control, oid, at, kind, payment_id, verdict_id, key, status)
+        for lid, at, payment_id, verdict_id, key, status in links.order_by("sent_at", "pk").values_list(
+                "pk", "sent_at", "payment_id", "verdict_id", "verdict__idempotency_key", "status").iterator(
+                chunk_size=CHUNK):
+            yield _write(control, lid, at, "payment_link", payment_id, verdict_id, key, status)
     return ["write_id", "at", "kind", "subject_id", "verdict_id", "idempotency_key", "outcome", "exception"], rows()
 
 
@@ -349,10 +357,64 @@ def one_refund_per_key(period: Period, control: Control):
     return ["refund_id", "created_at", "agent_id", "staff_user_id", "idempotency_key", "exception"], rows()
 
 
+# The running-total bounds a refund decision is held to (refundops.policy._check_running_totals), as
+# (limit field, total the verdict saw, whose bound: everyone, agents, or an agent's session). Restated
+# here, not imported: the pack re-checks the recorded figures against the recorded limits by itself.
+AMOUNT_BOUNDS = (
+    ("customer_daily_amount_minor", "customer_day_minor", "all"),
+    ("customer_30d_amount_minor", "customer_30d_minor", "all"),
+    ("global_daily_amount_minor", "global_day_minor", "all"),
+    ("agent_hourly_amount_minor", "agent_hour_minor", "agent"),
+    ("agent_daily_amount_minor", "agent_day_minor", "agent"),
+    ("session_amount_minor", "session_minor", "session"),
+)
+COUNT_BOUNDS = (("customer_daily_count", "customer_day_count"), ("customer_30d_count", "customer_30d_count"))
+
+
+def _limits_over_time() -> dict[str, list[tuple[datetime, int, dict[str, int]]]]:
+    """Each currency's limits versions, oldest first: (in force from, version, bounds)."""
+    from refundops.models import RefundLimits
+    fields = [f for f, _, _ in AMOUNT_BOUNDS] + [f for f, _ in COUNT_BOUNDS]
+    versions: dict[str, list[tuple[datetime, int, dict[str, int]]]] = {}
+    for row in RefundLimits.objects.order_by("currency", "created_at", "version").values(
+            "currency", "created_at", "version", *fields):
+        versions.setdefault(row["currency"], []).append((row["created_at"], row["version"],
+                                                         {f: row[f] for f in fields}))
+    return versions
+
+
+def _in_force(versions: list[tuple[datetime, int, dict[str, int]]], at: datetime):
+    found = None
+    for since, version, bounds in versions:
+        if since > at:
+            break
+        found = (version, bounds)
+    return found
+
+
+def _session_of(request: dict) -> str:
+    body = request.get("body", request) if isinstance(request, dict) else {}
+    agent = body.get("agent") if isinstance(body, dict) else None
+    return str(agent.get("session_id") or "") if isinstance(agent, dict) else ""
+
+
+def over_limits_in_force(*, totals: dict, amount: int, bounds: dict[str, int], by_agent: bool,
+                         session: bool) -> list[str]:
+    """The bounds a decision's recorded totals plus its amount passed, for the limits then in force."""
+    applies = {"all": True, "agent": by_agent, "session": by_agent and session}
+    over = [f"{field} {totals.get(seen, 0) + amount} > {bounds[field]}" for field, seen, whose in AMOUNT_BOUNDS
+            if applies[whose] and totals.get(seen, 0) + amount > bounds[field]]
+    over += [f"{field} {totals.get(seen, 0) + 1} > {bounds[field]}" for field, seen in COUNT_BOUNDS
+             if totals.get(seen, 0) + 1 > bounds[field]]
+    return over
+
+
 def paid_refunds(period: Period, control: Control):
     """Every refund paid in the period has an approving verdict (approved, or held and approved by a
-    person with the authority), and no check of that verdict failed."""
+    person with the authority), no check of that verdict failed, and the running totals it recorded
+    plus its amount were within the limits version in force at the verdict's moment (not today's)."""
     from refundops.models import Refund
+    limits = _limits_over_time()
     approved_by_person = AuditEntry.objects.filter(action="refund.approved", subject_type="refund",
                                                    subject_id=OuterRef("pk"))
     refunds = (Refund.objects.filter(status__in=PAID_STATES).filter(_in_period(period, "submitted_at"))
@@ -361,10 +423,12 @@ def paid_refunds(period: Period, control: Control):
         refunds = refunds.filter(payment__merchant_id=period.merchant_id)
 
     def rows():
-        for r in refunds.values_list("pk", "submitted_at", "status", "origin", "amount_minor", "currency",
-                                     "verdict_id", "verdict__outcome", "verdict__checks", "verdict__totals",
-                                     "person_approved").iterator(chunk_size=CHUNK):
-            rid, _, _, origin, _, _, verdict_id, outcome, checks, totals, by_person = r
+        for *r, decided_at, asked_by_agent, request in refunds.values_list(
+                "pk", "submitted_at", "status", "origin", "amount_minor", "currency", "verdict_id", "verdict__outcome",
+                "verdict__checks", "verdict__totals", "person_approved", "verdict__created_at", "verdict__agent_id",
+                "verdict__request").iterator(chunk_size=CHUNK):
+            rid, _, _, origin, amount, currency, verdict_id, outcome, checks, totals, by_person = r
+            in_force = _in_force(limits.get(currency, []), decided_at) if verdict_id else None
             failed = [c.get("name", "?") for c in (checks or []) if isinstance(c, dict) and c.get("result") == "fail"]
             why = ""
             if not verdict_id:
@@ -375,12 +439,18 @@ def paid_refunds(period: Period, control: Control):
                 why = f"paid on a {outcome} verdict ({verdict_id})"
             elif failed:
                 why = f"its verdict {verdict_id} records failed checks: {', '.join(failed)}"
+            elif in_force is None:
+                why = f"no {currency} limits were in force when its verdict {verdict_id} was decided"
+            elif over := over_limits_in_force(totals=totals or {}, amount=amount, bounds=in_force[1],
+                                              by_agent=bool(asked_by_agent), session=bool(_session_of(request))):
+                why = (f"its verdict {verdict_id}'s totals passed {currency} limits v{in_force[0]}, in force then: "
+                       f"{'; '.join(over)}")
             if why:
                 control.note_exception(rid, why)
             control.rows += 1
-            yield [*r[:8], "yes" if by_person else "no", totals, why]
+            yield [*r[:8], "yes" if by_person else "no", totals, f"v{in_force[0]}" if in_force else "", why]
     return ["refund_id", "submitted_at", "status", "origin", "amount_minor", "currency", "verdict_id", "verdict_outcome",
-            "approved_by_person", "totals", "exception"], rows()
+            "approved_by_person", "totals", "limits_in_force", "exception"], rows()
 
 
 def inbound_events(period: Period, control: Control):
@@ -574,6 +644,8 @@ def build_pack(*, start: datetime, end: datetime, out: str | Path, signing_key: 
             "heads": heads, "version": _product_version(), "built_at": timezone.now(),
             "exceptions": sum(c.exception_count for c in controls)})
         _Hashed(archive, "summary.html", digests).write_all([summary.encode()])
+        progress("summary.pdf")
+        _Hashed(archive, "summary.pdf", digests).write_all([summary_pdf(summary)])
         manifest = {"format": "refundops-evidence-pack/1", "period": {"from": start.isoformat(), "to": end.isoformat()},
                     "merchant": merchant_id, "product_version": _product_version(),
                     "built_at": timezone.now().isoformat(), "audit_chain_heads": heads,
@@ -583,6 +655,14 @@ def build_pack(*, start: datetime, end: datetime, out: str | Path, signing_key: 
         archive.writestr(MANIFEST, body)
         archive.writestr(SIGNATURE, base64.b64encode(signing_key.sign(body)) + b"\n")
     return PackResult(out, controls, manifest, hashlib.sha256(body).hexdigest())
+
+
+def summary_pdf(summary_html: str) -> bytes:
+    """The summary as a PDF, laid out by WeasyPrint (Pango underneath; no browser). The summary lists
+    at most LISTED_EXCEPTIONS ids per control, so it stays a few pages for any period."""
+    from weasyprint import HTML  # loads Pango: only when a pack is built
+
+    return HTML(string=summary_html).write_pdf()
 
 
 # -- verifying ------------------------------------------------------------------------------------

@@ -116,3 +116,48 @@ class AuditEntry(models.Model):
 
     def delete(self, *args, **kwargs):
         raise ValueError("audit entries are append-only")
+
+
+def new_evidence_pack_id() -> str:
+    return new_id("ep")
+
+
+class EvidencePack(models.Model):
+    """An auditor's request for the evidence pack of a period (audit.evidence), built by a Celery task
+    that reports its progress here; the ZIP lands in ``VAR_DIR/evidence-packs``. Only people with
+    ``build_evidencepack`` (the auditor role, superusers) reach these rows."""
+
+    class Status(models.TextChoices):
+        QUEUED = "queued", "Queued"
+        BUILDING = "building", "Building"
+        DONE = "done", "Done"
+        FAILED = "failed", "Failed"
+
+    id = models.CharField(primary_key=True, max_length=40, default=new_evidence_pack_id, editable=False)
+    requested_by = models.CharField(max_length=150)  # a username: audit stands below auth's users
+    requested_at = models.DateTimeField(auto_now_add=True)
+    first_day = models.DateField()
+    last_day = models.DateField()  # included
+    merchant_id = models.CharField(max_length=40, blank=True)
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.QUEUED)
+    step = models.CharField(max_length=100, blank=True)  # the control being checked now
+    steps_done = models.PositiveIntegerField(default=0)
+    steps_total = models.PositiveIntegerField(default=0)
+    size_bytes = models.BigIntegerField(null=True, blank=True)
+    manifest_sha256 = models.CharField(max_length=64, blank=True)
+    exception_count = models.PositiveIntegerField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-requested_at"]
+        permissions = [("build_evidencepack", "Can build and download auditors' evidence packs")]
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.first_day}..{self.last_day} {self.status}"
+
+    @property
+    def percent(self) -> int:
+        if self.status == self.Status.DONE:
+            return 100
+        return int(100 * self.steps_done / self.steps_total) if self.steps_total else 0

@@ -66,6 +66,16 @@ class Switches:
     changed_at: datetime | None
 
 
+@dataclass(frozen=True)
+class LastDrill:
+    """The last ``revocation_drill`` (its audit entry): when, whether every call after a revocation was
+    refused, and the slowest time from a revocation to its refusal."""
+    at: datetime
+    passed: bool
+    ms_to_refusal: float | None
+    entry_seq: int | None
+
+
 @dataclass
 class Dashboard:
     since: datetime
@@ -84,6 +94,7 @@ class Dashboard:
     switches: Switches
     gateway_backlog: list[dict]  # approved refunds still waiting for their gateway, per gateway
     open_discrepancies: int  # reconciliation: differences between a gateway's books and ours, open
+    last_drill: LastDrill | None = None  # None: no drill has ever run
     currencies: list[str] = field(default_factory=list)
 
 
@@ -177,6 +188,17 @@ def switches(*, now: datetime) -> Switches:
                     changed_by=state.changed_by, changed_at=state.changed_at if state.pk else None)
 
 
+def last_drill() -> LastDrill | None:
+    entry = (AuditEntry.objects.filter(action="revocation.drill").order_by("-created_at", "-id")
+             .values("created_at", "data", "seq").first())
+    if entry is None:
+        return None
+    timed = [step["ms_since_revocation"] for step in entry["data"].get("steps", [])
+             if isinstance(step, dict) and step.get("ms_since_revocation") is not None]
+    return LastDrill(at=entry["created_at"], passed=bool(entry["data"].get("passed")),
+                     ms_to_refusal=max(timed) if timed else None, entry_seq=entry["seq"])
+
+
 def dashboard(*, now: datetime | None = None, days: int = DAYS) -> Dashboard:
     now = now or timezone.now()
     since, day_list = _window(now, days)
@@ -195,4 +217,4 @@ def dashboard(*, now: datetime | None = None, days: int = DAYS) -> Dashboard:
             dispute_status=Payment.Dispute.OPEN).count(),
         switches=switches(now=now), gateway_backlog=gateway_backlog(now=now),
         open_discrepancies=LedgerDiscrepancy.objects.filter(status=LedgerDiscrepancy.Status.OPEN).count(),
-        currencies=sorted({c.currency for c in per_currency} | set(reasons)))
+        last_drill=last_drill(), currencies=sorted({c.currency for c in per_currency} | set(reasons)))

@@ -242,3 +242,11 @@ def run_backtest(*, run_id: str) -> str:
 
     run = complete_backtest_run(run_id=run_id)
     return run.status if run else "gone"
+
+
+@shared_task(ignore_result=True)
+def build_evidence_pack(pack_id: str) -> None:
+    """An auditor's evidence pack, asked for in the admin (refundops.services.evidence_packs)."""
+    from refundops.services import evidence_packs
+
+    evidence_packs.build_requested_pack(pack_id=pack_id)

@@ -61,8 +61,9 @@ FRAUD_ANALYST = Role(
                         "refundops.policydraft": "view add change"}))  # hold-rules drafts
 
 AUDITOR = Role(
-    name="auditor", group="Auditors", does="reads everything, changes nothing",
-    permissions=(), views_everything=True)
+    name="auditor", group="Auditors",
+    does="reads everything, changes nothing; builds and downloads the evidence pack for a period",
+    permissions=("audit.build_evidencepack",), views_everything=True)
 
 OPERATOR = Role(
     name="operator", group="Operators",
@@ -103,12 +104,9 @@ def sync_roles(apps=global_apps) -> None:
     Permission = apps.get_model("auth", "Permission")
     for role in ROLES.values():
         group, _ = Group.objects.get_or_create(name=role.group)
-        if role.views_everything:
-            permissions = Permission.objects.filter(codename__startswith="view_")
-        else:
-            wanted = Q(pk__in=[])
-            for permission in role.permissions:
-                app_label, codename = permission.split(".", 1)
-                wanted |= Q(content_type__app_label=app_label, codename=codename)
-            permissions = Permission.objects.filter(wanted)
+        wanted = Q(codename__startswith="view_") if role.views_everything else Q(pk__in=[])
+        for permission in role.permissions:
+            app_label, codename = permission.split(".", 1)
+            wanted |= Q(content_type__app_label=app_label, codename=codename)
+        permissions = Permission.objects.filter(wanted)
         group.permissions.set(permissions)

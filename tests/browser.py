@@ -18,7 +18,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from approvals.models import ApprovalAuthority
-from audit.models import Verdict
+from audit.models import EvidencePack, Verdict
 from processors.models import InboundEvent, SandboxControl
 from django_otp.plugins.otp_totp.models import TOTPDevice
 from playwright.sync_api import Page, expect, sync_playwright
@@ -119,6 +119,9 @@ def populate() -> World:
                       ours={"refund_id": "rf_demo", "amount_minor": 1_000, "currency": "USD", "status": "failed"},
                       theirs={"amount_minor": 1_000, "currency": "USD", "status": "succeeded"},
                       detail="sandbox paid 10.00 USD for rf_demo, which is failed here")
+    EvidencePack.objects.create(requested_by="auditor", first_day=timezone.now().date(),
+                                last_day=timezone.now().date(), status=EvidencePack.Status.DONE, steps_total=15,
+                                steps_done=15, exception_count=0)
     return World(approved=Refund.objects.get(pk=approved["id"]), held=Refund.objects.get(pk=held["id"]),
                  held_big=Refund.objects.get(pk=held_big["id"]))
 

@@ -116,6 +116,7 @@ def test_the_pack_finds_exactly_the_planted_exceptions(tmp_path, signing):
     assert result.exception_count == sum(len(ids) for ids in expected.values())
     with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
         summary = pack.read("summary.html").decode()
+        pdf = pack.read("summary.pdf")
         manifest = json.loads(pack.read("manifest.json"))
         paid = pack.read("controls/paid_refunds.csv").decode()
         chain = pack.read("audit_chain_segment.csv").decode().splitlines()
@@ -125,11 +126,12 @@ def test_the_pack_finds_exactly_the_planted_exceptions(tmp_path, signing):
     for ids in expected.values():
         for row_id in ids:
             assert row_id in summary  # listed by id, never left out
+    assert pdf.startswith(b"%PDF-") and pdf.rstrip().endswith(b"%%EOF") and len(pdf) > 10_000
     assert "Held: all" in summary and "Exceptions: 2 of 3 rows" in summary
     assert "Exceptions: 1, listed below." in summary  # no drill: an absence, never an omission
     assert "paid without a verdict" in paid and "no person approved" in paid
     assert set(manifest["files"]) == {f"controls/{slug}.csv" for slug in expected if slug != "audit_chain"} | {
-        "audit_chain_segment.csv", "summary.html"}
+        "audit_chain_segment.csv", "summary.html", "summary.pdf"}
     heads = manifest["audit_chain_heads"]
     assert heads["verify_audit"] == "ok" and heads["start"].startswith("0:")
     assert heads["end"].split(":")[0] == str(AuditEntry.objects.order_by("-seq").values_list("seq", flat=True)[0])
@@ -166,6 +168,7 @@ TAMPERINGS = {
     "changed CSV": lambda m: {**m, "controls/paid_refunds.csv": m["controls/paid_refunds.csv"].replace(b"rf_", b"rX_", 1)},
     "changed chain segment": lambda m: {**m, "audit_chain_segment.csv": m["audit_chain_segment.csv"][:-40]},
     "changed summary": lambda m: {**m, "summary.html": m["summary.html"].replace(b"Exceptions", b"Held", 1)},
+    "changed PDF": lambda m: {**m, "summary.pdf": m["summary.pdf"][:-200] + b"%%EOF\n"},
     "removed file": lambda m: {k: v for k, v in m.items() if k != "controls/inbound_events.csv"},
     "added file": lambda m: {**m, "controls/extra.csv": b"id\n1\n"},
     "changed manifest": lambda m: {**m, "manifest.json": m["manifest.json"].replace(b'"exceptions"', b'"exceptionz"')},
@@ -251,3 +254,59 @@ def test_a_pack_for_one_merchant_leaves_out_the_others_rows(tmp_path, signing):
     # Limits bind every merchant and gateway events carry none: both are in every merchant's pack. No
     # drill ran. Nothing else planted is Shop two's.
     assert found == {"limits": 1, "inbound_events": 1, "revocation": 1}
+
+
+def _paid_on_a_verdict_of(moment, *, currency: str, totals: dict, amount: int) -> Refund:
+    verdict = Verdict.objects.create(operation="refund.create", outcome="approved", totals=totals,
+                                     amount_minor=amount, currency=currency, idempotency_key=f"k-{currency}")
+    Verdict.objects.filter(pk=verdict.pk).update(created_at=moment)
+    refund = Refund.objects.create(payment=make_payment(amount=9_000, currency=currency), amount_minor=amount,
+                                   currency=currency, reason="duplicate", verdict=verdict,
+                                   idempotency_key=f"limits-then-{currency}")
+    Refund.objects.filter(pk=refund.pk).update(status="settled", submitted_at=timezone.now(), settled_at=timezone.now())
+    return refund
+
+
+def test_paid_refunds_are_rechecked_against_the_limits_in_force_at_their_verdicts_moment(tmp_path, signing):
+    """USD's limits were tight when the verdict was decided and are loose today: an exception. EUR's
+    were loose then and are tight today: none. Judged by today's limits, it was the other way round."""
+    now = timezone.now()
+    for currency, then, today in (("USD", 1_000, 10**9), ("EUR", 10**9, 1_000)):
+        for version_limit, days_ago in ((then, 3), (today, 1)):
+            RefundLimits.objects.filter(pk=make_limits(currency, global_daily_amount_minor=version_limit).pk).update(
+                created_at=now - timedelta(days=days_ago))
+    make_rules()
+    totals = {"global_day_minor": 900, "customer_day_count": 0}
+    over_then = _paid_on_a_verdict_of(now - timedelta(days=2), currency="USD", totals=totals, amount=500)
+    within_then = _paid_on_a_verdict_of(now - timedelta(days=2), currency="EUR", totals=totals, amount=500)
+    start, end = _period()
+    result = build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    paid = next(c for c in result.controls if c.slug == "paid_refunds")
+    assert [row_id for row_id, _ in paid.exceptions] == [over_then.pk]
+    assert "USD limits v1, in force then: global_daily_amount_minor 1400 > 1000" in paid.exceptions[0][1]
+    with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
+        rows = {r["refund_id"]: r for r in csv.DictReader(io.StringIO(pack.read("controls/paid_refunds.csv").decode()))}
+    assert (rows[over_then.pk]["limits_in_force"], rows[within_then.pk]["limits_in_force"]) == ("v1", "v1")
+    assert rows[within_then.pk]["exception"] == ""
+
+
+def test_payment_links_sent_on_a_gateway_are_gateway_writes_that_need_a_verdict_and_a_key(tmp_path, signing):
+    from refundops.models import PaymentLink, PaymentLinkTemplate
+    make_limits(), make_rules()
+    template = PaymentLinkTemplate.objects.create(name="owed", message="Pay $amount: $url")
+    keyed = Verdict.objects.create(operation="payment_link.send", outcome="approved", idempotency_key="link-1")
+    keyless = Verdict.objects.create(operation="payment_link.send", outcome="approved", idempotency_key="")
+    on_stripe = make_payment(amount_owed_minor=1_000, processor="stripe", processor_reference="ch_links")
+    sent = PaymentLink.objects.create(template=template, payment=on_stripe, amount_minor=400, currency="USD",
+                                      verdict=keyed)
+    without_key = PaymentLink.objects.create(template=template, payment=on_stripe, amount_minor=500, currency="USD",
+                                             verdict=keyless)
+    PaymentLink.objects.create(template=template, payment=make_payment(amount_owed_minor=700), amount_minor=700,
+                               currency="USD", verdict=keyless)  # the sandbox's /pay page: no gateway write
+    start, end = _period()
+    result = build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    writes = next(c for c in result.controls if c.slug == "gateway_writes")
+    assert writes.rows == 2 and writes.exceptions == [(without_key.pk, "sent without an idempotency key")]
+    with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
+        listed = pack.read("controls/gateway_writes.csv").decode()
+    assert f"{sent.pk}," in listed and ",payment_link," in listed

@@ -88,3 +88,31 @@ def test_after_a_passed_drill_a_clean_period_packs_with_exit_0(tmp_path):
     assert "Full log: the audit chain: Held: all 0 rows" not in out.getvalue()  # sealed before its heads are read
     call_command("verify_evidence_pack", str(tmp_path / "p.zip"), "--public-key", str(tmp_path / "k.pem.pub"),
                  stdout=io.StringIO())
+
+
+def _drill_tile(client) -> str:
+    import re
+
+    from django.urls import reverse
+    page = client.get(reverse("admin:refundops_dashboard")).content.decode()
+    tile = re.search(r'<div class="tile[^"]*" id="last-drill-tile">(.*?)</div>', page, re.S)
+    assert tile, "no last-drill tile on the dashboard"
+    return " ".join(tile.group(1).split())
+
+
+def test_the_dashboard_tile_shows_the_last_drill_when_it_ran_and_never_run_before(client):
+    from django.contrib.auth.models import User
+
+    from audit.services import record_audit
+    User.objects.create_user("auditor-1", is_staff=True)
+    call_command("grant_role", "auditor-1", "auditor", stdout=io.StringIO())
+    client.force_login(User.objects.get(username="auditor-1"))
+    assert "never run" in _drill_tile(client)
+    code, result = _drill()
+    slowest = max(s["ms_since_revocation"] for s in result["steps"] if s["ms_since_revocation"] is not None)
+    tile = _drill_tile(client)
+    assert "passed" in tile and f"refused {slowest:.1f} ms after revocation" in tile and "never run" not in tile
+    record_audit(actor="system:revocation_drill", action="revocation.drill", subject_type="agent", subject_id="ag_x",
+                 data={"passed": False, "steps": [{"ms_since_revocation": 2.5, "ok": False}]})
+    tile = _drill_tile(client)
+    assert "FAILED" in tile and "a call got through" in tile and "refused 2.5 ms" in tile

@@ -87,7 +87,9 @@ def test_the_migrations_install_five_roles_each_with_only_its_own_rights():
     auditor = perms("Auditors")
     every_view = {f"{p.content_type.app_label}.{p.codename}"
                   for p in Permission.objects.filter(codename__startswith="view_").select_related("content_type")}
-    assert auditor == every_view and "refundops.view_holdrules" in auditor
+    # Every view, and the evidence pack (built and downloaded, audited): nothing that changes a row of the product.
+    assert auditor == every_view | {"audit.build_evidencepack"} and "refundops.view_holdrules" in auditor
+    assert "audit.build_evidencepack" not in finance | fraud | operators | admins
 
 
 def test_grant_role_gives_a_person_a_role_and_the_audit_log_says_who():

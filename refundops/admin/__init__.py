@@ -5,4 +5,4 @@ reject_refund, the agent switches), so the admin writes the same verdicts, histo
 entries as the API. Rows those services own are read-only here, and history never reverts.
 """
 
-from refundops.admin import agents, drafts, payments, policy, reconciliation, refunds, webhooks  # noqa: F401  (each registers its pages)
+from refundops.admin import agents, drafts, evidence, payments, policy, reconciliation, refunds, webhooks  # noqa: F401  (each registers its pages)

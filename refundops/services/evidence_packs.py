@@ -1,0 +1,108 @@
+"""The auditors' evidence pack from the admin: an auditor asks for a period (and a merchant), a
+Celery task builds it (audit.evidence.build_pack) and reports its progress on the request's row,
+and the auditor downloads the ZIP. Each request and each download is an audit entry.
+
+The signing key stays where ``manage.py evidence_pack`` finds it (the ``EVIDENCE_SIGNING_KEY``
+path, read by the worker that signs); nothing here hands out more than its public half's
+fingerprint, which the auditor compares with the public key they keep.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, date, datetime, time, timedelta
+from pathlib import Path
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from audit.evidence import CONTROLS, build_pack, load_signing_key, public_pem
+from audit.models import EvidencePack
+from audit.services import record_audit
+from refundops import outbox
+from refundops.errors import ApiError
+from refundops.models import Merchant
+
+BUILD_TASK = "refundops.tasks.build_evidence_pack"
+STEPS = len(CONTROLS) + 2  # one per control, the audit chain's segment, and summary.pdf
+LONGEST_PERIOD_DAYS = 400  # a year and a bit: an audit period, not the platform's whole life
+
+
+def pack_path(pack: EvidencePack) -> Path:
+    return Path(settings.VAR_DIR) / "evidence-packs" / f"{pack.pk}.zip"
+
+
+def signing_key_fingerprint() -> str:
+    """SHA-256 of the signing key's public half (PEM), or "" when no key is configured or readable."""
+    try:
+        return hashlib.sha256(public_pem(load_signing_key(settings.EVIDENCE_SIGNING_KEY))).hexdigest()
+    except (OSError, ValueError):
+        return ""
+
+
+def request_evidence_pack(*, username: str, first_day: date, last_day: date, merchant_id: str = "") -> EvidencePack:
+    """Record the request (audited) and have a worker build it once the request commits."""
+    if last_day < first_day:
+        raise ApiError("VALIDATION_ERROR", "The last day is before the first.")
+    if (last_day - first_day).days >= LONGEST_PERIOD_DAYS:
+        raise ApiError("VALIDATION_ERROR", f"A pack covers at most {LONGEST_PERIOD_DAYS} days.")
+    if merchant_id and not Merchant.objects.filter(pk=merchant_id).exists():
+        raise ApiError("VALIDATION_ERROR", f"No merchant {merchant_id!r}.")
+    if not settings.EVIDENCE_SIGNING_KEY:
+        raise ApiError("VALIDATION_ERROR", "No signing key: an operator sets EVIDENCE_SIGNING_KEY.")
+    with transaction.atomic():
+        pack = EvidencePack.objects.create(requested_by=username, first_day=first_day, last_day=last_day,
+                                           merchant_id=merchant_id, steps_total=STEPS)
+        record_audit(actor=f"user:{username}", action="evidence_pack.requested", subject_type="evidence_pack",
+                     subject_id=pack.pk, data={"from": str(first_day), "to": str(last_day),
+                                               "merchant": merchant_id or None})
+        outbox.send_after_commit(BUILD_TASK, {"pack_id": pack.pk})
+    return pack
+
+
+def build_requested_pack(*, pack_id: str) -> EvidencePack:
+    """Build a requested pack, writing each step's progress on its row (the page polls it). A second
+    run of the task (at-least-once delivery) finds the pack done and does nothing."""
+    pack = EvidencePack.objects.get(pk=pack_id)
+    if pack.status == EvidencePack.Status.DONE:
+        return pack
+    EvidencePack.objects.filter(pk=pack.pk).update(status=EvidencePack.Status.BUILDING, steps_done=0, error="")
+    done = {"steps": 0}
+
+    def progress(step: str) -> None:
+        EvidencePack.objects.filter(pk=pack.pk).update(step=step[:100], steps_done=done["steps"])
+        done["steps"] += 1
+
+    out = pack_path(pack)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    begins = datetime.combine(pack.first_day, time.min, UTC)
+    ends = datetime.combine(pack.last_day + timedelta(days=1), time.min, UTC)
+    try:
+        result = build_pack(start=begins, end=ends, out=out, signing_key=load_signing_key(settings.EVIDENCE_SIGNING_KEY),
+                            merchant_id=pack.merchant_id or None, progress=progress)
+    except Exception as exc:  # the page says what went wrong; the worker's log has the trace
+        EvidencePack.objects.filter(pk=pack.pk).update(status=EvidencePack.Status.FAILED, error=str(exc)[:2000],
+                                                       finished_at=timezone.now())
+        raise
+    with transaction.atomic():
+        EvidencePack.objects.filter(pk=pack.pk).update(
+            status=EvidencePack.Status.DONE, steps_done=STEPS, step="", size_bytes=out.stat().st_size,
+            manifest_sha256=result.manifest_sha256, exception_count=result.exception_count,
+            finished_at=timezone.now())
+        record_audit(actor="system:evidence_pack", action="evidence_pack.built", subject_type="evidence_pack",
+                     subject_id=pack.pk, data={"requested_by": pack.requested_by, "from": str(pack.first_day),
+                                               "to": str(pack.last_day), "merchant": pack.merchant_id or None,
+                                               "exceptions": result.exception_count,
+                                               "manifest_sha256": result.manifest_sha256})
+    return EvidencePack.objects.get(pk=pack.pk)
+
+
+def open_for_download(*, pack_id: str, username: str):
+    """The built pack's file, opened for reading; the download is audited first."""
+    pack = EvidencePack.objects.filter(pk=pack_id, status=EvidencePack.Status.DONE).first()
+    if pack is None or not pack_path(pack).exists():
+        raise EvidencePack.DoesNotExist(pack_id)
+    record_audit(actor=f"user:{username}", action="evidence_pack.downloaded", subject_type="evidence_pack",
+                 subject_id=pack.pk, data={"manifest_sha256": pack.manifest_sha256})
+    return pack, pack_path(pack).open("rb")

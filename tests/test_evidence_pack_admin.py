@@ -1,0 +1,142 @@
+"""The evidence pack from the admin (refundops.admin.evidence): only the auditor role (and
+superusers) reach it; a forged request from any other role is refused and changes nothing; every
+request and download is audited; and an auditor in Chromium fills the form, watches the progress
+finish, downloads the ZIP and verifies it with verify_evidence_pack's own function."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from audit.evidence import new_signing_key, verify_pack
+from audit.models import AuditEntry, EvidencePack
+from refundops.services.evidence_packs import pack_path
+from tests.browser import _orm_beside_playwright, browser  # noqa: F401
+from tests.conftest import make_limits, make_rules
+
+LIST = "admin:audit_evidencepack_changelist"
+
+
+@pytest.fixture
+def signing(tmp_path, settings):
+    public = new_signing_key(tmp_path / "evidence.pem")
+    settings.EVIDENCE_SIGNING_KEY = str(tmp_path / "evidence.pem")
+    settings.VAR_DIR = tmp_path / "var"
+    return public
+
+
+def _staff(username: str, role: str | None) -> Client:
+    User.objects.create_user(username, password="pw-" + username, is_staff=True)
+    if role:
+        call_command("grant_role", username, role, stdout=io.StringIO())
+    client = Client()
+    client.force_login(User.objects.get(username=username))
+    return client
+
+
+def _today() -> str:
+    return timezone.now().date().isoformat()
+
+
+def _evidence_entries():
+    return AuditEntry.objects.filter(action__startswith="evidence_pack.")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("role", ["finance approver", "fraud analyst", "operator", "administrator", None])
+def test_a_forged_request_from_another_role_gets_403_and_changes_nothing(signing, role):
+    auditor = _staff("auditor-1", "auditor")
+    auditor.post(reverse(LIST), {"first_day": _today(), "last_day": _today()})
+    built = EvidencePack.objects.get()
+    entries = _evidence_entries().count()
+    other = _staff("someone", role)
+    assert other.post(reverse(LIST), {"first_day": _today(), "last_day": _today()}).status_code == 403
+    assert other.get(reverse(LIST)).status_code == 403
+    assert other.get(reverse("admin:audit_evidencepack_progress", args=[built.pk])).status_code == 403
+    assert other.get(reverse("admin:audit_evidencepack_download", args=[built.pk])).status_code == 403
+    assert EvidencePack.objects.count() == 1 and _evidence_entries().count() == entries
+    index = other.get(reverse("admin:index")).content.decode()
+    assert "Evidence packs" not in index  # not even a link to it
+
+
+@pytest.mark.django_db
+def test_the_auditor_builds_and_downloads_a_pack_and_both_are_audited(signing, django_capture_on_commit_callbacks):
+    make_limits(), make_rules()
+    auditor = _staff("auditor-1", "auditor")
+    assert "Evidence packs" in auditor.get(reverse("admin:index")).content.decode()
+    with django_capture_on_commit_callbacks(execute=True):  # the outbox's nudge: the (eager) build task
+        answer = auditor.post(reverse(LIST), {"first_day": _today(), "last_day": _today()})
+    assert answer.status_code == 302
+    pack = EvidencePack.objects.get()
+    assert (pack.status, pack.percent, pack.requested_by) == ("done", 100, "auditor-1")
+    progress = auditor.get(reverse("admin:audit_evidencepack_progress", args=[pack.pk])).json()
+    assert progress["status"] == "done" and progress["download"]
+    download = auditor.get(progress["download"])
+    assert download.status_code == 200 and download["Content-Type"] == "application/zip"
+    body = b"".join(download.streaming_content)
+    assert body == pack_path(pack).read_bytes()
+    actions = list(_evidence_entries().order_by("id").values_list("action", "actor", "subject_id"))
+    assert actions == [("evidence_pack.requested", "user:auditor-1", pack.pk),
+                       ("evidence_pack.built", "system:evidence_pack", pack.pk),
+                       ("evidence_pack.downloaded", "user:auditor-1", pack.pk)]
+    page = auditor.get(reverse(LIST)).content.decode()
+    assert "PRIVATE" not in page and "BEGIN" not in page  # the key's fingerprint only, never a key
+
+
+@pytest.mark.django_db
+def test_a_bad_period_is_refused_with_its_reason_and_nothing_is_written(signing):
+    auditor = _staff("auditor-1", "auditor")
+    later = (timezone.now() + timedelta(days=1)).date().isoformat()
+    answer = auditor.post(reverse(LIST), {"first_day": later, "last_day": _today()})
+    assert answer.status_code == 400 and "The last day is before the first." in answer.content.decode()
+    assert not EvidencePack.objects.exists() and not _evidence_entries().exists()
+
+
+@pytest.mark.browser
+@pytest.mark.django_db(transaction=True)
+def test_an_auditor_builds_downloads_and_verifies_a_pack_in_chromium_at_1366(live_server, browser, signing, tmp_path,
+                                                                             monkeypatch):
+    from refundops import outbox
+    from refundops.services.evidence_packs import build_requested_pack
+    from tests.browser import shot
+    from tests.test_admin_at_1366 import LAPTOP, MEASURE, log_in_at
+
+    queued = []  # the build task, held back from the (eager) worker, so the page shows it waiting
+    monkeypatch.setattr(outbox, "send_after_commit", lambda task, kwargs, **_: queued.append(kwargs))
+
+    out = io.StringIO()
+    call_command("demo_data", "--json", stdout=out)
+    login = next(s for s in json.loads(out.getvalue())["staff"] if s["username"] == "auditor")
+    page = log_in_at(browser, live_server.url, "auditor", login["password"], LAPTOP)
+    page.click("text=Evidence packs")
+    page.fill("#id_first_day", _today())
+    page.fill("#id_last_day", _today())
+    page.click("input[value='Build the pack']")
+    row = page.locator("#evidence-packs tr[data-pack]").first
+    assert row.get_attribute("data-status") == "queued" and queued == [{"pack_id": row.get_attribute("data-pack")}]
+    build_requested_pack(**queued[0])  # the worker, while the page polls
+    row.locator("a.download").wait_for(timeout=60_000)  # shown once a poll saw the build done
+    assert row.get_attribute("data-status") == "done"
+    assert page.locator("progress").first.get_attribute("value") == "100"
+    seen = page.evaluate(MEASURE)
+    assert seen["page"] <= seen["width"] and seen["off"] == [], seen
+    shot(page, "w1366-evidence-packs")
+    with page.expect_download() as download:
+        row.locator("a.download").click()
+    zipped = tmp_path / "downloaded.zip"
+    download.value.save_as(zipped)
+    assert verify_pack(zipped, signing) == []
+    with zipfile.ZipFile(zipped) as pack:
+        assert "summary.html" in pack.namelist()
+    assert list(_evidence_entries().values_list("action", flat=True).order_by("id")) == [
+        "evidence_pack.requested", "evidence_pack.built", "evidence_pack.downloaded"]
+    page.context.close()
