@@ -11,7 +11,6 @@ from datetime import timedelta
 from django.db.models import Exists
 from django.utils import timezone
 
-from refundops import batching
 from refundops.errors import ApiError
 from refundops.models import Agent, AgentKey, Merchant, PlatformState
 from refundops.rows import Columns, cache_related, db
@@ -62,7 +61,7 @@ def _key_named(prefix: str) -> AgentKey | None:
     # The statement the ORM would write for the query above, without compiling it on every request.
     global _KEY_SQL
     if _KEY_SQL is None:
-        _KEY_SQL = batching.prepared(
+        _KEY_SQL = (
             f"SELECT {_KEY.sql}, {_AGENT.sql}, {_MERCHANT.sql}, EXISTS(SELECT 1 FROM"
             f" {PlatformState._meta.db_table} s WHERE s.id = 1 AND s.agents_disabled)"
             f" FROM {AgentKey._meta.db_table} k JOIN {Agent._meta.db_table} a ON a.id = k.agent_id"

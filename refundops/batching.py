@@ -19,8 +19,7 @@ psycopg sends BEGIN in a round trip of its own (in pipeline mode as outside it).
 Prepared statements are psycopg's own (server-side binding, ``prepare_threshold``; settings.py,
 ``DATABASE_PREPARED_STATEMENTS``): a connection prepares a statement it has run that many times,
 whether Django or ``defer`` sends it, and keeps at most the setting's count (least recently used
-deallocated); psycopg forgets them on a ROLLBACK or DISCARD ALL. ``prepared(sql)`` only names the
-statements that matter (the hot path's).
+deallocated); psycopg forgets them on a ROLLBACK or DISCARD ALL.
 
 Elsewhere (SQLite, outside a batch) ``defer`` executes at once.
 """
@@ -36,12 +35,6 @@ from django.db import transaction
 from django.db.backends.signals import connection_created
 
 Then = Callable[[Any], None]  # given the cursor on the statement's own result
-
-
-def prepared(sql: str) -> str:
-    """``sql``: a statement every request sends (psycopg prepares it once a connection has run it
-    ``prepare_threshold`` times; so does it any other). Kept as the hot path's label."""
-    return sql
 
 
 def _prepare_as_set(sender, connection, **kwargs) -> None:

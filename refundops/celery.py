@@ -10,6 +10,20 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
 
+@app.on_configure.connect
+def load_settings_or_say_what_to_set(sender=None, **kwargs) -> None:
+    """`celery -A refundops worker` (or beat) first reads Django's settings while parsing its own
+    options: a configuration error there stops it with the one line manage.py and the web servers
+    print, not Celery's traceback. (SystemExit passes through Celery's signal dispatch, which only
+    catches Exception.)"""
+    from django.conf import settings
+
+    from refundops.startup import configuration_errors_in_one_line
+
+    with configuration_errors_in_one_line():
+        settings.INSTALLED_APPS  # noqa: B018 - reading one setting loads them all
+
+
 @signals.task_prerun.connect
 @signals.task_postrun.connect
 def close_old_connections(sender=None, **kwargs) -> None:

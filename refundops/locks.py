@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 from django.db import connection
 
-from refundops import batching
 from refundops.models import Payment, PlatformState, Refund
 from refundops.rows import db
 
@@ -115,7 +114,7 @@ def _lock_sql(currency: str | None, functions: tuple[str, ...]) -> str:
     else:
         keys = "'{" + ",".join(str(key) for key in _slot_keys(currency)) + "}'::bigint[]"
         ring = f"({keys})[%s:{FAST_PATH_SLOTS}] || ({keys})[1:%s]"
-    return batching.prepared(_LOCK_SQL.format(ring=ring, locks=", ".join(f"{function}(%s)" for function in functions)))
+    return _LOCK_SQL.format(ring=ring, locks=", ".join(f"{function}(%s)" for function in functions))
 
 
 def lock_scopes(*, customer_id: str, agent_id: str | None, currency: str, exclusive: bool = False,

@@ -79,7 +79,7 @@ _ENDPOINT = Columns(MerchantEndpoint, "e")
 def _endpoints_sql() -> str:
     """``active_endpoints``' statement, made once: the same string every time (not rebuilt, nor
     hashed anew by the prepared statements' look-ups, on every refund)."""
-    return batching.prepared(
+    return (
         f"SELECT {_ENDPOINT.sql} FROM {MerchantEndpoint._meta.db_table} e WHERE e.active AND e.merchant_id = "
         f"(SELECT merchant_id FROM {Payment._meta.db_table} WHERE id = %s) ORDER BY e.id")
 

@@ -11,7 +11,6 @@ from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, JSONField, Q, Sum
 from django.utils import timezone
 
-from refundops import batching
 from refundops.models import (
     BUCKET_SECONDS,
     COUNTING_STATES,
@@ -44,7 +43,7 @@ def shadow_drafts(currency: str) -> list[PolicyDraft]:
 # The three reads above in one round trip (PostgreSQL): each row as JSON, made back into the model
 # the ORM would have returned (the same rows, the same order: the latest version first, drafts
 # newest first). The ORM's three statements cost more to compile than to run.
-_POLICY_SQL = batching.prepared("""
+_POLICY_SQL = ("""
 SELECT (SELECT row_to_json(l) FROM (SELECT * FROM {limits} WHERE currency = %(currency)s
                                     ORDER BY version DESC LIMIT 1) l),
        (SELECT row_to_json(r) FROM (SELECT * FROM {rules} ORDER BY version DESC LIMIT 1) r),
@@ -188,7 +187,7 @@ def _sql_literal(value: str | tuple[str, ...]) -> str:
 # Scalar subqueries let each scope use its own index (customer via the payment, agent, day, payment);
 # the customer's refunds are found through the customer's payments (OFFSET 0 keeps the planner
 # from turning that into a scan of every recent refund).
-_TOTALS_SQL = batching.prepared("""
+_TOTALS_SQL = ("""
 WITH x AS (  -- the refund being decided: the kept buckets count it if it counts
   SELECT amount_minor, agent_id, counted_at FROM {refund}
    WHERE id = %(exclude)s AND status = ANY({states}) AND currency = %(currency)s)

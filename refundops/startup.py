@@ -1,6 +1,7 @@
 """What a process that its configuration stops says: one line naming what to set (and the .env file
 the settings read as well), never a traceback. manage.py, refundops.wsgi and refundops.asgi load
-Django inside :func:`configuration_errors_in_one_line`."""
+Django inside :func:`configuration_errors_in_one_line`, Celery's worker and beat in its `on_configure`
+signal (refundops/celery.py)."""
 
 from __future__ import annotations
 

@@ -79,6 +79,42 @@ SLOW_TESTS = {
     "test_operator_traps.py::test_a_configuration_error_is_one_line_saying_what_to_set",
     "test_readme_and_docs.py::test_the_postgresql_command_creates_its_database",
     "test_model.py::test_the_model_holds",
+    # Subprocess stacks, pooler and sender lifecycles: each has a cheaper sibling left in the fast tier
+    # (test_pgbouncer's refusal, test_outbox_sender's producer, test_connection_reuse's wsgi/celery,
+    # test_serving's wsgi, test_plain_worker's queues, test_logs' worker).
+    "test_pgbouncer.py::test_160_refunds_from_4_threads_through_pgbouncer_in_transaction_mode_all_answer",
+    "test_pgbouncer.py::test_prepared_statements_are_on_by_default_only_where_the_pooler_is_known_to_keep_them",
+    "test_outbox_sender.py::test_under_the_pool_the_sender_gives_its_connection_back_after_each_batch",
+    "test_outbox_sender.py::test_a_trip_counted_by_the_sender_at_exit_sends_its_mail_before_the_process_ends",
+    "test_outbox_sender.py::test_a_process_that_exits_right_after_its_commit_sends_what_its_sender_held",
+    "test_outbox.py::test_a_broker_outage_at_commit_delays_the_merchant_webhooks_and_loses_none",
+    "test_connection_reuse.py::test_the_pool_and_the_age_can_still_be_chosen",
+    "test_connection_reuse.py::test_each_request_the_deployed_app_serves_checks_one_connection_out_of_the_pool_and_back",
+    "test_connection_reuse.py::test_six_asgi_requests_each_in_a_thread_of_its_own_share_the_pools_connections",
+    "test_connection_reuse.py::test_processes_that_run_each_request_in_its_own_thread_pool_their_connections",
+    "test_mcp_http.py::test_mcp_calls_over_http_leave_no_database_connection_open",
+    "test_production_mode.py::test_a_forged_sandbox_dispute_signed_with_the_published_secret_is_refused_in_production_mode",
+    "test_plain_worker.py::test_a_plain_worker_settles_a_refund",
+    "test_serving.py::test_what_the_server_loads_is_out_of_the_collectors_full_passes[refundops.asgi]",
+    # The big races (64 threads, 64 connections): the fast tier keeps a smaller race on each invariant
+    # (test_policy_concurrency on the customer's and the global totals, test_refund_concurrency's 32
+    # partial refunds and 32 idempotent requests, test_scope_locks' and test_scope_lock_attacks' others).
+    "test_refund_concurrency.py::test_64_agents_racing_on_one_customers_daily_amount_pass_it_by_not_one_refund",
+    "test_refund_concurrency.py::test_64_agents_racing_on_the_global_daily_amount_pass_it_by_not_one_refund",
+    "test_refund_concurrency.py::test_64_requests_of_one_agent_through_many_keys_pass_its_hourly_amount_by_not_one_refund",
+    "test_scope_locks.py::test_the_global_daily_limit_holds_exactly_across_the_fast_path_and_the_exclusive_one",
+    "test_scope_lock_attacks.py::test_every_writer_of_the_day_total_racing_on_shared_customers_and_agents_deadlocks_none_and_keeps_the_limit",
+    # Random and property sequences: one seed, one property left in the fast tier.
+    "test_refund_totals.py::test_random_refunds_changes_and_folds_read_alike_by_the_sql_and_the_orm[1]",
+    "test_refund_totals.py::test_random_refunds_changes_and_folds_read_alike_by_the_sql_and_the_orm[2]",
+    "test_refund_totals.py::test_random_refunds_changes_and_folds_read_alike_by_the_sql_and_the_orm[3]",
+    "test_policy_properties.py::test_the_policy_never_lets_a_sequence_past_a_bound",
+    "test_gateway_outage.py::test_every_refund_is_paid_exactly_once_after_an_outage[unreachable]",
+    # Whole-app starts in a subprocess (a passing `manage.py check` loads everything): the fast tier
+    # keeps the refusals and the production deploy check.
+    "test_production_mode.py::test_production_mode_refuses_to_start_without_a_secret_key",
+    "test_production_mode.py::test_the_deploy_check_passes_with_secure_settings[]",
+    "test_admin_pages.py::test_every_admin_page_answers_for_a_superuser",
 }
 
 
@@ -86,6 +122,7 @@ def pytest_collection_modifyitems(items):
     for item in items:
         module = item.path.stem
         if (module in SLOW_MODULES or f"{item.path.name}::{item.originalname}" in SLOW_TESTS
+                or f"{item.path.name}::{item.name}" in SLOW_TESTS  # one case of a parametrized test
                 or item.get_closest_marker("browser")):
             item.add_marker(pytest.mark.slow)
 
@@ -271,8 +308,8 @@ def _clean_redis():
 def scratch():
     """A table of the test's own, ``scratch_<random> (id, n int >= 0, t text)``, for statements the
     platform does not make (batching, prepared statements); dropped after. Its name is the test's
-    own: a statement text one test marks as prepared (``batching.prepared``, marked for the process)
-    is then never another test's, which would see it prepared where it counts statements."""
+    own: a statement text one test has run often enough for psycopg to prepare it on the worker's
+    connection is then never another test's, which would see it prepared where it counts statements."""
     name = f"scratch_{uuid.uuid4().hex[:8]}"
     with connection.cursor() as cursor:
         cursor.execute(f"CREATE TABLE {name} (id serial PRIMARY KEY, n int NOT NULL CHECK (n >= 0), t text)")

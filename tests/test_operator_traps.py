@@ -21,6 +21,7 @@ from django.conf import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = str(ROOT / ".venv" / "bin" / "python")
+CELERY = str(ROOT / ".venv" / "bin" / "celery")
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -39,7 +40,9 @@ def production_without_secrets() -> dict[str, str]:
     [PYTHON, "manage.py", "migrate", "--noinput"],
     [PYTHON, "-c", "import refundops.wsgi"],
     [PYTHON, "-c", "import refundops.asgi"],
-], ids=["manage.py", "wsgi", "asgi"])
+    [CELERY, "-A", "refundops", "worker"],
+    [CELERY, "-A", "refundops", "beat"],
+], ids=["manage.py", "wsgi", "asgi", "celery worker", "celery beat"])
 def test_a_configuration_error_is_one_line_saying_what_to_set(command):
     done = subprocess.run(command, cwd=ROOT, env=production_without_secrets(), capture_output=True, text=True,
                           timeout=120)

@@ -148,7 +148,7 @@ _PAYMENT_COLUMNS, _CUSTOMER_COLUMNS = Columns(Payment, "p"), Columns(Customer, "
 @functools.cache
 def _payment_sql(by_merchant: bool, lock: bool) -> str:
     """The payment read's statement (merchant named or not, locked or not), made on first use."""
-    return batching.prepared(
+    return (
         f"SELECT {_PAYMENT_COLUMNS.sql}, EXISTS(SELECT 1 FROM {LedgerDiscrepancy._meta.db_table} d"
         f" WHERE d.payment_id = p.id AND d.status = %s), {_CUSTOMER_COLUMNS.sql}"
         f" FROM {Payment._meta.db_table} p JOIN {Customer._meta.db_table} c ON c.id = p.customer_id"
@@ -446,12 +446,12 @@ def _history_sql(differ: tuple[str, ...], n: int) -> str:
            f" SELECT {', '.join('r.' + quote(f.column) for f in same)}, {', '.join(f'h.c{i}' for i in range(len(given)))}"
            f" FROM r, (VALUES {', '.join(row.replace('(%s, ', f'({i}, ', 1) for i in range(n))})"
            f" AS h(n, {', '.join(f'c{i}' for i in range(len(given)))}) ORDER BY h.n")
-    return batching.prepared(sql)
+    return sql
 
 
 # Sums and stores in one statement (PostgreSQL and SQLite): the aggregate, then the update, each
 # cost a round trip while the payment row is locked.
-_SYNC_SQL = batching.prepared("""
+_SYNC_SQL = ("""
 UPDATE {payment} SET (amount_refunded_minor, amount_reserved_minor) = (
   SELECT COALESCE(SUM(CASE WHEN status = %s THEN amount_minor END), 0),
          COALESCE(SUM(CASE WHEN status IN ({reserving}) THEN amount_minor END), 0)
