@@ -276,10 +276,21 @@ def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gate
     this answer is closed in the same transaction, so no worker sees it closed and the refund unpaid.
     ``payment_id``: the refund's payment, when the caller has it (it spares a query)."""
     refund = _lock(refund_id, payment_id=payment_id)
-    if attempt is not None:
-        attempts.close_attempt(attempt, Outcome.SUCCEEDED, processor_refund_id=result.processor_refund_id)
+
+    def close(*, news: bool) -> None:
+        """The attempt closed, and with ``news`` the refund's other calls resolved: one statement.
+        Nothing between the lock and here reads the refund's attempts."""
+        if attempt is None:
+            if news:
+                attempts.resolve_by_news(refund, result.processor_refund_id)
+        elif news:
+            attempts.close_with_news(attempt, refund, result.processor_refund_id)
+        else:
+            attempts.close_attempt(attempt, Outcome.SUCCEEDED, processor_refund_id=result.processor_refund_id)
+
     paid = result.status in ("pending", "succeeded")
     if refund.processor_refund_id and refund.processor_refund_id != result.processor_refund_id:
+        close(news=False)
         if paid:  # a second gateway refund for one refund of ours: paid twice
             _raise_paid_not_settled(refund, result, why="a second gateway refund for this refund")
         else:  # news of an earlier submission that failed (then a person resubmitted): not this one's
@@ -291,6 +302,7 @@ def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gate
     moves: list[Move] = []  # saved together below: one UPDATE, one INSERT of their history rows
     if refund.status in (RefundState.FAILED, RefundState.CANCELED) and paid:
         if not _fits(refund):
+            close(news=False)
             _raise_paid_not_settled(refund, result, why=f"the gateway paid a refund we recorded {refund.status}, "
                                                         f"and the payment has no room left to take it back")
             return refund
@@ -315,8 +327,7 @@ def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gate
         refund.cancel(message="The gateway canceled the refund.")
         moves.append(_moved(refund, "gateway canceled the refund", previous=leaving))
     history = _save(refund, moves) if moves else None
-    if result.processor_refund_id and refund.processor_refund_id == result.processor_refund_id:
-        attempts.resolve_by_news(refund, result.processor_refund_id)
+    close(news=bool(result.processor_refund_id) and refund.processor_refund_id == result.processor_refund_id)
     if refund.status != before:
         sync_payment_amounts(refund.payment)
         gateway_response = {**asdict(result), "amount": asdict(result.amount)}
