@@ -108,6 +108,7 @@ def test_the_worker_settles_an_approved_refund_in_26_statements_and_pays_it_once
     assert (payment.amount_reserved_minor, payment.amount_refunded_minor) == (0, 1_250)
     assert AuditEntry.objects.filter(action="refund.settled", subject_id=refund_id).exists()
     history = list(refund.history.order_by("history_date", "history_id").values_list("status", "history_change_reason"))
+    assert [status for status, _ in history] == ["requested", "approved", "submitted", "settled"]  # one row a move
     assert history[-2:] == [("submitted", f"system:worker: gateway accepted {refund.processor_refund_id}"),
                             ("settled", "system:worker: gateway reported success")]
     seal()  # sealed entries' recorded rows are checked against the rows as stored
