@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 from django.db import connection
 
-from refundops.models import Payment, PlatformState, Refund
-from refundops.rows import db
+from refundops.models import Customer, Payment, PlatformState, Refund
+from refundops.rows import Columns, cache_related, db
 
 FAST_PATH_SLOTS = 32
 HEADROOM_SHARE = 4  # a quarter of the global daily limit covers the fast-path decisions in flight
@@ -63,14 +63,71 @@ PLATFORM_KEY = advisory_key("platform")
 
 
 def lock_payment(payment_id: str, *, merchant_id: str | None = None) -> Payment | None:
-    """The payment, locked; None when there is none, or it is not ``merchant_id``'s (an agent
-    must not tell the two apart, and must not lock another merchant's row)."""
-    payments = Payment.objects.select_for_update(of=("self",)).select_related("customer").filter(pk=payment_id)
-    return (payments.filter(merchant_id=merchant_id) if merchant_id else payments).first()
+    """The payment, locked, with its customer; None when there is none, or it is not
+    ``merchant_id``'s (an agent must not tell the two apart, and must not lock another merchant's
+    row). On PostgreSQL the statement the ORM would write, by hand (refundops.rows): the worker takes
+    this lock twice a refund, and compiling the ORM's query cost more than running it."""
+    wrapper = db()
+    if wrapper.vendor != "postgresql":
+        payments = Payment.objects.select_for_update(of=("self",)).select_related("customer").filter(pk=payment_id)
+        return (payments.filter(merchant_id=merchant_id) if merchant_id else payments).first()
+    with wrapper.cursor() as cursor:
+        cursor.execute(_lock_payment_sql(bool(merchant_id)), [payment_id, *([merchant_id] if merchant_id else [])])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    payment = _PAYMENT.make(row[:len(_PAYMENT)])
+    cache_related(payment, "customer", _CUSTOMER.make(row[len(_PAYMENT):]))
+    return payment
 
 
-def lock_refund(refund_id: str) -> Refund:
-    return Refund.objects.select_for_update(of=("self",)).select_related("payment").get(pk=refund_id)
+def lock_refund(refund_id: str, *, payment: Payment | None = None) -> Refund:
+    """The refund, locked, with its payment (``payment``: the caller's, locked before it and so
+    current; not read again). Raises ``Refund.DoesNotExist`` as ``get`` does."""
+    return _refund(refund_id, payment=payment, lock=True)
+
+
+def read_refund(refund_id: str) -> Refund:
+    """The refund with its payment, as ``lock_refund`` reads them, not locked: the worker's first
+    look, before its transaction."""
+    return _refund(refund_id, payment=None, lock=False)
+
+
+def _refund(refund_id: str, *, payment: Payment | None, lock: bool) -> Refund:
+    wrapper = db()
+    if wrapper.vendor != "postgresql":
+        refunds = Refund.objects.select_related("payment")
+        return (refunds.select_for_update(of=("self",)) if lock else refunds).get(pk=refund_id)
+    with wrapper.cursor() as cursor:
+        cursor.execute(_refund_sql(payment is None, lock), [refund_id])
+        row = cursor.fetchone()
+    if row is None:
+        raise Refund.DoesNotExist(f"no refund {refund_id}")
+    refund = _REFUND.make(row[:len(_REFUND)])
+    if payment is None:
+        payment = _PAYMENT.make(row[len(_REFUND):])
+    if payment.pk == refund.payment_id:  # else not cached: the caller named the wrong payment
+        cache_related(refund, "payment", payment)
+    return refund
+
+
+_PAYMENT, _CUSTOMER, _REFUND = Columns(Payment, "p"), Columns(Customer, "c"), Columns(Refund, "r")
+
+
+@functools.cache
+def _lock_payment_sql(by_merchant: bool) -> str:
+    return (
+        f"SELECT {_PAYMENT.sql}, {_CUSTOMER.sql} FROM {Payment._meta.db_table} p"
+        f" JOIN {Customer._meta.db_table} c ON c.id = p.customer_id WHERE p.id = %s"
+        + (" AND p.merchant_id = %s" if by_merchant else "") + " FOR UPDATE OF p")
+
+
+@functools.cache
+def _refund_sql(with_payment: bool, lock: bool) -> str:
+    columns, tables = _REFUND.sql, f"{Refund._meta.db_table} r"
+    if with_payment:
+        columns, tables = f"{columns}, {_PAYMENT.sql}", f"{tables} JOIN {Payment._meta.db_table} p ON p.id = r.payment_id"
+    return f"SELECT {columns} FROM {tables} WHERE r.id = %s" + (" FOR UPDATE OF r" if lock else "")
 
 
 @dataclass(frozen=True)

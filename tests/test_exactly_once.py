@@ -486,3 +486,31 @@ def test_a_look_up_never_settles_a_call_that_started_after_the_gateway_was_read(
     refund.refresh_from_db()
     assert (refund.status, refund.processor_refund_id) == (S.SETTLED, paid)
     assert stripe_fake.refund_count == 1
+
+
+@pytest.mark.django_db
+def test_the_answer_closes_its_attempt_and_resolves_the_refunds_other_open_calls_in_one_statement(policy):
+    """A worker's answer closes its own attempt (even one a look-up had marked absent meanwhile) and,
+    being news of the refund's current submission, resolves the submission's other unanswered calls;
+    a declined call, and a call of an earlier submission (another key), stay as they were."""
+    refund = approved_refund(make_payment(amount=5_000), 1_000)
+    ours = attempt(refund, O.ABSENT)  # a look-up found nothing before our answer came: a success is news
+    stale = attempt(refund, O.LIVE)  # another worker's, its lease run out
+    unknown = attempt(refund, O.UNKNOWN)
+    declined = attempt(refund, O.DECLINED)
+    earlier = GatewayAttempt.objects.create(refund=refund, idempotency_key="refundops:earlier:0", outcome=O.UNKNOWN,
+                                            lease_until=timezone.now())
+    result = RefundResult(processor_refund_id="sbre_news", status="succeeded", amount=Money(1_000, "USD"))
+
+    refund = payouts.record_gateway_result(refund_id=refund.pk, result=result, attempt=ours)
+
+    assert refund.status == S.SETTLED and refund.processor_refund_id == "sbre_news"
+    rows = {a.pk: a for a in GatewayAttempt.objects.filter(refund=refund)}
+    assert (rows[ours.pk].outcome, rows[ours.pk].processor_refund_id, rows[ours.pk].error_message) == (
+        O.SUCCEEDED, "sbre_news", "")
+    for other in (stale, unknown):
+        assert (rows[other.pk].outcome, rows[other.pk].processor_refund_id, rows[other.pk].error_message) == (
+            O.SUCCEEDED, "sbre_news", attempts.NEWS)
+        assert rows[other.pk].finished_at is not None
+    assert rows[declined.pk].outcome == O.DECLINED and rows[declined.pk].processor_refund_id == ""
+    assert rows[earlier.pk].outcome == O.UNKNOWN and rows[earlier.pk].processor_refund_id == ""

@@ -8,6 +8,8 @@ looked up at the gateway before anything else is decided (``services/attempts.py
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -15,12 +17,12 @@ from dataclasses import asdict
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Count, F, Min
 from django.utils import timezone
 
 from audit.models import Verdict
-from audit.services import record_audit
+from audit.services import new_audit_entry, record_audit
 from processors import breaker
 from processors.base import (
     PaymentRef,
@@ -31,11 +33,12 @@ from processors.base import (
 )
 from processors.registry import get_processor
 from refundops import metrics, outbound
-from refundops.locks import lock_payment, lock_refund
+from refundops.locks import lock_payment, lock_refund, read_refund
 from refundops.models import GatewayAttempt, LedgerDiscrepancy, Payment, Refund, RefundState
+from refundops.rows import Columns, db, save_new
 from refundops.services import attempts
 from refundops.services.reconciliation import raise_discrepancy
-from refundops.services.refunds import sync_payment_amounts
+from refundops.services.refunds import sync_payment_amounts, write_history
 
 log = logging.getLogger(__name__)
 WORKER = "system:worker"
@@ -86,7 +89,7 @@ def submit_refund(*, refund_id: str) -> Refund:
 
     An earlier call whose answer is unknown is looked up at the gateway first; then the refund is
     canceled if it may no longer be paid; then one attempt, under a lease, calls the gateway."""
-    refund = Refund.objects.select_related("payment").get(pk=refund_id)
+    refund = read_refund(refund_id)
     if refund.status != RefundState.APPROVED:
         return refund  # already submitted, settled, failed or canceled: nothing to do
     try:
@@ -155,7 +158,7 @@ def resolve_unknown_attempts(*, refund_id: str) -> Refund:
     """Ask the gateway what became of calls whose answer we never recorded: the payment's refunds,
     found by our refund id in their metadata. Found: the refund is recorded as the gateway has it.
     Not found: those calls never made a refund, and a new call (same key) may go."""
-    refund = Refund.objects.select_related("payment").get(pk=refund_id)
+    refund = read_refund(refund_id)
     if not attempts.unresolved(refund):
         return refund
     processor = get_processor(refund.payment.processor, refund.payment.processor_account)
@@ -224,13 +227,13 @@ def _cancel_if_disputed(refund: Refund) -> Refund:
     refund.cancel(message=f"The payment was disputed ({refund.payment.dispute_reference}) after this refund "
                           f"was approved automatically and before it was paid; paying it as well could "
                           f"pay the customer twice. A person may refund it once the dispute is decided.")
-    _save(refund, f"payment disputed ({refund.payment.dispute_reference}) before it was paid",
-          previous=RefundState.APPROVED)
+    history = _save(refund, [_moved(refund, f"payment disputed ({refund.payment.dispute_reference}) before it "
+                                           f"was paid", previous=RefundState.APPROVED)])
     sync_payment_amounts(refund.payment)
     record_audit(actor=WORKER, action="refund.canceled", subject_type="refund", subject_id=refund.pk,
                  data={"from": RefundState.APPROVED, "why": "payment disputed after automatic approval",
                        "processor_dispute_id": refund.payment.dispute_reference,
-                       "verdict_id": refund.verdict_id}, records=[refund.history.latest()])
+                       "verdict_id": refund.verdict_id}, records=[history])
     return refund
 
 
@@ -273,10 +276,21 @@ def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gate
     this answer is closed in the same transaction, so no worker sees it closed and the refund unpaid.
     ``payment_id``: the refund's payment, when the caller has it (it spares a query)."""
     refund = _lock(refund_id, payment_id=payment_id)
-    if attempt is not None:
-        attempts.close_attempt(attempt, Outcome.SUCCEEDED, processor_refund_id=result.processor_refund_id)
+
+    def close(*, news: bool) -> None:
+        """The attempt closed, and with ``news`` the refund's other calls resolved: one statement.
+        Nothing between the lock and here reads the refund's attempts."""
+        if attempt is None:
+            if news:
+                attempts.resolve_by_news(refund, result.processor_refund_id)
+        elif news:
+            attempts.close_with_news(attempt, refund, result.processor_refund_id)
+        else:
+            attempts.close_attempt(attempt, Outcome.SUCCEEDED, processor_refund_id=result.processor_refund_id)
+
     paid = result.status in ("pending", "succeeded")
     if refund.processor_refund_id and refund.processor_refund_id != result.processor_refund_id:
+        close(news=False)
         if paid:  # a second gateway refund for one refund of ours: paid twice
             _raise_paid_not_settled(refund, result, why="a second gateway refund for this refund")
         else:  # news of an earlier submission that failed (then a person resubmitted): not this one's
@@ -285,41 +299,45 @@ def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gate
         return refund
     now = timezone.now()
     before = refund.status
+    moves: list[Move] = []  # saved together below: one UPDATE, one INSERT of their history rows
     if refund.status in (RefundState.FAILED, RefundState.CANCELED) and paid:
         if not _fits(refund):
+            close(news=False)
             _raise_paid_not_settled(refund, result, why=f"the gateway paid a refund we recorded {refund.status}, "
                                                         f"and the payment has no room left to take it back")
             return refund
         refund.reinstate(processor_refund_id=result.processor_refund_id, at=now)
-        _save(refund, f"gateway paid {result.processor_refund_id} after we recorded it {before}", previous=before)
+        moves.append(_moved(refund, f"gateway paid {result.processor_refund_id} after we recorded it {before}",
+                            previous=before))
         log.error("refund %s: the gateway paid it (%s) after we recorded it %s; reinstated",
                   refund.pk, result.processor_refund_id, before)
     if refund.status == RefundState.APPROVED and paid:
         refund.submit(processor_refund_id=result.processor_refund_id, at=now)
-        _save(refund, f"gateway accepted {result.processor_refund_id}", previous=RefundState.APPROVED)
+        moves.append(_moved(refund, f"gateway accepted {result.processor_refund_id}", previous=RefundState.APPROVED))
     leaving = refund.status
     if refund.status == RefundState.SUBMITTED and result.status == "succeeded":
         refund.settle(at=now)
-        _save(refund, "gateway reported success", previous=leaving)
+        moves.append(_moved(refund, "gateway reported success", previous=leaving))
     elif refund.status in (RefundState.APPROVED, RefundState.SUBMITTED, RefundState.SETTLED) \
             and result.status == "failed":
         refund.fail(code=result.failure_code or "gateway_failed",
                     message=result.failure_message or "The gateway failed the refund.")
-        _save(refund, "gateway reported failure", previous=leaving)
+        moves.append(_moved(refund, "gateway reported failure", previous=leaving))
     elif refund.status in (RefundState.APPROVED, RefundState.SUBMITTED) and result.status == "canceled":
         refund.cancel(message="The gateway canceled the refund.")
-        _save(refund, "gateway canceled the refund", previous=leaving)
-    if result.processor_refund_id and refund.processor_refund_id == result.processor_refund_id:
-        attempts.resolve_by_news(refund, result.processor_refund_id)
+        moves.append(_moved(refund, "gateway canceled the refund", previous=leaving))
+    history = _save(refund, moves) if moves else None
+    close(news=bool(result.processor_refund_id) and refund.processor_refund_id == result.processor_refund_id)
     if refund.status != before:
         sync_payment_amounts(refund.payment)
         gateway_response = {**asdict(result), "amount": asdict(result.amount)}
-        Verdict.objects.filter(pk=refund.verdict_id).update(gateway_response=gateway_response)
+        verdict = _answer_on_verdict(refund.verdict_id, gateway_response)
         action = "refund.reinstated" if before in (RefundState.FAILED, RefundState.CANCELED) else f"refund.{refund.status}"
-        record_audit(actor=WORKER, action=action, subject_type="refund", subject_id=refund.pk,
-                     data={"from": before, "to": refund.status, "processor_refund_id": result.processor_refund_id,
-                           "verdict_id": refund.verdict_id, "gateway": gateway_response},
-                     records=[refund.history.latest()])
+        save_new(new_audit_entry(  # record_audit's entry, written as the refund service writes its own
+            actor=WORKER, action=action, subject_type="refund", subject_id=refund.pk,
+            data={"from": before, "to": refund.status, "processor_refund_id": result.processor_refund_id,
+                  "verdict_id": refund.verdict_id, "gateway": gateway_response},
+            records=[history, *([verdict] if verdict else [])]))
     return refund
 
 
@@ -367,18 +385,18 @@ def record_gateway_failure(*, refund_id: str, code: str, message: str) -> Refund
     if refund.status != RefundState.APPROVED or attempts.may_be_at_gateway(refund):
         return refund
     refund.fail(code=code, message=message)
-    _save(refund, f"gateway declined: {code}", previous=RefundState.APPROVED)
+    history = _save(refund, [_moved(refund, f"gateway declined: {code}", previous=RefundState.APPROVED)])
     sync_payment_amounts(refund.payment)
-    Verdict.objects.filter(pk=refund.verdict_id).update(gateway_response={"declined": code, "message": message})
+    verdict = _answer_on_verdict(refund.verdict_id, {"declined": code, "message": message})
     record_audit(actor=WORKER, action="refund.failed", subject_type="refund", subject_id=refund.pk,
                  data={"from": RefundState.APPROVED, "code": code, "message": message, "verdict_id": refund.verdict_id},
-                 records=[refund.history.latest()])
+                 records=[history, *([verdict] if verdict else [])])
     return refund
 
 
 def sync_refund(*, refund_id: str) -> Refund:
     """Ask the gateway where a submitted (or settled) refund stands, and record it."""
-    refund = Refund.objects.select_related("payment").get(pk=refund_id)
+    refund = read_refund(refund_id)
     if refund.status not in (RefundState.SUBMITTED, RefundState.SETTLED) or not refund.processor_refund_id:
         return refund
     processor = get_processor(refund.payment.processor, refund.payment.processor_account)
@@ -430,15 +448,60 @@ def _lock(refund_id: str, *, payment_id: str | None = None) -> Refund:
     changes, so a caller that read the refund before may name it (one query fewer)."""
     if payment_id is None:
         payment_id = Refund.objects.values_list("payment_id", flat=True).get(pk=refund_id)
-    lock_payment(payment_id)
-    refund = lock_refund(refund_id)
+    refund = lock_refund(refund_id, payment=lock_payment(payment_id))
     if refund.payment_id != payment_id:  # never: a refund's payment is set once; a wrong caller
         raise ValueError(f"refund {refund_id} is of payment {refund.payment_id}, not {payment_id}")
     return refund
 
 
-def _save(refund: Refund, reason: str, *, previous: str) -> None:
-    """Save a refund's move out of ``previous``, and announce it to merchants in the same transaction."""
-    refund._change_reason = f"{WORKER}: {reason}"
-    refund.save()
-    outbound.announce_refund(refund, previous=previous)
+# A move of a refund: the refund as it stood right after the transition, the state it left, why, when.
+Move = tuple[Refund, str, str, datetime]
+
+
+def _moved(refund: Refund, reason: str, *, previous: str) -> Move:
+    """What ``_save`` records of the transition just made on ``refund``."""
+    return copy.copy(refund), previous, f"{WORKER}: {reason}", timezone.now()
+
+
+def _save(refund: Refund, moves: list[Move]):
+    """Save the refund's ``moves`` (a payment settled at once is submitted, then settled) in its
+    transaction: one UPDATE in the last state, a history row for each move in one INSERT (what
+    simple_history would write on a save after each, without its post_save's per-save manager class),
+    the merchant endpoints read once and each move announced. Returns the last history row."""
+    refund.skip_history_when_saving = True  # written below, every move's row at once
+    try:
+        refund.save()
+    finally:
+        del refund.skip_history_when_saving
+    for state, *_ in moves:
+        state.updated_at = refund.updated_at  # as each save would have stamped it, near enough
+    rows = write_history(refund, [(state, "~", reason, at) for state, _previous, reason, at in moves])
+    endpoints = outbound.active_endpoints(refund)
+    for state, previous, *_ in moves:
+        outbound.announce_refund(state, previous=previous, endpoints=endpoints)
+    return rows[-1]
+
+
+_VERDICT = Columns(Verdict, "v")
+
+
+def _answer_on_verdict(verdict_id: str | None, gateway_response: dict[str, Any]) -> Verdict | None:
+    """Keep the gateway's answer on the refund's verdict, and the verdict as stored now (for the
+    audit entry that vouches for it): one UPDATE … RETURNING on PostgreSQL."""
+    if not verdict_id:
+        return None
+    if connection.vendor != "postgresql":
+        Verdict.objects.filter(pk=verdict_id).update(gateway_response=gateway_response)
+        return Verdict.objects.filter(pk=verdict_id).first()
+    field = Verdict._meta.get_field("gateway_response")
+    with db().cursor() as cursor:
+        cursor.execute(_verdict_sql(), [field.get_db_prep_save(gateway_response, db()), verdict_id])
+        row = cursor.fetchone()
+    return _VERDICT.make(row) if row else None
+
+
+@functools.cache
+def _verdict_sql() -> str:
+    quote = connection.ops.quote_name
+    return (f"UPDATE {quote(Verdict._meta.db_table)} AS v SET {quote(Verdict._meta.get_field('gateway_response').column)} = %s"
+            f" WHERE v.id = %s RETURNING {_VERDICT.sql}")

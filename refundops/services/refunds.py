@@ -357,7 +357,7 @@ def _write_refund(*, caller: Caller, payment: Payment, ask: RefundInput, decisio
         finally:
             del refund.skip_history_when_saving
         requested.created_at, requested.updated_at = refund.created_at, refund.updated_at
-        _write_history(refund, history)
+        write_history(refund, history)
     # Read once for both events, in this transaction; in a batch the refund's INSERT and this read
     # ride with the payment's sums, and the list is filled when that round trip is back.
     endpoints = outbound.active_endpoints(refund, deferred=True)
@@ -374,19 +374,21 @@ def _historical_refund() -> Any:
     return Refund.history.model
 
 
-def _write_history(refund: Refund, rows: list[tuple[Refund, str, str, datetime]]) -> None:
+def write_history(refund: Refund, rows: list[tuple[Refund, str, str, datetime]]) -> list[Any]:
     """The history rows simple_history would write on each save of these states of ``refund`` (its
-    type, change reason, date, and user as its middleware sees it), in one insert."""
+    type, change reason, date, and user as its middleware sees it), in one insert; returned (their
+    ids are set once the insert has run: at once outside a batch)."""
     history = _historical_refund()
     user = history.get_default_history_user(refund)
-    insert(history, [
-        history(history_date=at, history_type=kind, history_user=user, history_change_reason=reason,
-                **{field.attname: getattr(state, field.attname) for field in history.tracked_fields})
-        for state, kind, reason, at in rows])
+    written = [history(history_date=at, history_type=kind, history_user=user, history_change_reason=reason,
+                       **{field.attname: getattr(state, field.attname) for field in history.tracked_fields})
+               for state, kind, reason, at in rows]
+    insert(history, written)
+    return written
 
 
 def _insert_with_history(refund: Refund, rows: list[tuple[Refund, str, str, datetime]]) -> None:
-    """``refund.save()`` (a new refund) and ``_write_history(refund, rows)`` in one statement: the
+    """``refund.save()`` (a new refund) and ``write_history(refund, rows)`` in one statement: the
     refund's INSERT, and its history rows made from the row it returns, each with the fields where
     its state differs (``rows``: the states in order, the last one ``refund`` itself)."""
     history = _historical_refund()
