@@ -7,8 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 
-def fit_change_reason(sender, history_instance: Any, **kwargs: Any) -> None:
-    reason = history_instance.history_change_reason
-    limit = history_instance._meta.get_field("history_change_reason").max_length
+def fitted_reason(history_model: Any, reason: str | None) -> str | None:
+    """``reason`` cut to what ``history_model``'s change reason keeps. Also for history rows written
+    without simple_history's signal (refundops.services.refunds.write_history, the refund's INSERT
+    with its history): a reason too long would fail the act itself."""
+    limit = history_model._meta.get_field("history_change_reason").max_length
     if reason and limit and len(reason) > limit:
-        history_instance.history_change_reason = reason[:limit - 1] + "…"
+        return reason[:limit - 1] + "…"
+    return reason
+
+
+def fit_change_reason(sender, history_instance: Any, **kwargs: Any) -> None:
+    history_instance.history_change_reason = fitted_reason(type(history_instance),
+                                                          history_instance.history_change_reason)

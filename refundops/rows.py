@@ -69,13 +69,18 @@ def insert(model: type[Model], objs: Sequence[Model]) -> None:
     """``model.objects.bulk_create(objs)``: one INSERT, each value prepared as the ORM prepares it
     (``pre_save``, ``get_db_prep_save``), no signals (nor does bulk_create send any). A plain VALUES
     list: bulk_create's arrays cost more to spell out. In a batch (refundops.batching) it is sent with
-    the next statement; a key the database draws is read back then (RETURNING, on PostgreSQL)."""
+    the next statement; a key the database draws is read back then (RETURNING, on PostgreSQL).
+    Elsewhere (SQLite) Django's own ``bulk_create``, which reads such keys back too: a row without
+    its key cannot be recorded by an audit entry (the worker's history rows)."""
+    if connection.vendor != "postgresql":
+        model._base_manager.bulk_create(objs)
+        return
     statement = _INSERTS.get((model, len(objs)))
     if statement is None:
         fields = [f for f in model._meta.concrete_fields if not f.generated and not (f.primary_key and f.db_returning)]
         quote = connection.ops.quote_name
         row = "(" + ", ".join(["%s"] * len(fields)) + ")"
-        returns = model._meta.pk.db_returning and connection.vendor == "postgresql"
+        returns = model._meta.pk.db_returning
         statement = _INSERTS[model, len(objs)] = (
             f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) VALUES "
             + ", ".join([row] * len(objs)) + (f" RETURNING {quote(model._meta.pk.column)}" if returns else ""),

@@ -14,6 +14,7 @@ from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connection, transaction
 from django.utils import timezone
 
+from audit.history import fitted_reason
 from audit.models import Verdict
 from audit.services import new_audit_entry
 from refundops import batching, breaker, idempotency, outbound, outbox
@@ -380,7 +381,8 @@ def write_history(refund: Refund, rows: list[tuple[Refund, str, str, datetime]])
     ids are set once the insert has run: at once outside a batch)."""
     history = _historical_refund()
     user = history.get_default_history_user(refund)
-    written = [history(history_date=at, history_type=kind, history_user=user, history_change_reason=reason,
+    written = [history(history_date=at, history_type=kind, history_user=user,
+                       history_change_reason=fitted_reason(history, reason),
                        **{field.attname: getattr(state, field.attname) for field in history.tracked_fields})
                for state, kind, reason, at in rows]
     insert(history, written)
@@ -405,7 +407,7 @@ def _insert_with_history(refund: Refund, rows: list[tuple[Refund, str, str, date
     user_id = user.pk if user is not None else None
     for state, kind, reason, at in rows:
         params += prepare(state)
-        params += [at, kind, user_id, reason]
+        params += [at, kind, user_id, fitted_reason(history, reason)]
     batching.defer(sql, params)  # in a batch, with the next statement
     refund._state.adding, refund._state.db = False, DEFAULT_DB_ALIAS  # as Model.save leaves it
     refund._update_initial_state()  # as ConcurrentTransitionMixin.save: the state it was saved in
