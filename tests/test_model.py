@@ -295,22 +295,25 @@ class MoneyAndControls(RuleBasedStateMachine):
                                              finished_at=self.now).values_list("refund__payment_id", flat=True)
         return multiple(*sorted({self._index(payment) for payment in lost}))
 
-    @rule(target=payments, refund=refunds)
-    def a_call_outlives_its_lease(self, refund: str):
-        """The worker opens its attempt and its request is on the wire, slow: the gateway acts on it
-        only when ``the_slow_call_lands`` (payouts.submit_refund's two halves, with steps between).
-        Its payment goes to ``payments`` again: its money is in doubt until the call lands."""
-        if self.in_flight is not None or not Refund.objects.filter(pk=refund, status=RefundState.APPROVED).exists():
+    @precondition(lambda self: getattr(self, "in_flight", None) is None)
+    @rule(target=payments)
+    def a_call_outlives_its_lease(self):
+        """The worker takes the next approved refund from its queue, opens its attempt, and its request
+        is on the wire, slow: the gateway acts on it only when ``the_slow_call_lands`` (the two halves
+        of payouts.submit_refund, with steps between). Its payment goes to ``payments`` again: its
+        money is in doubt until the call lands."""
+        refund = Refund.objects.filter(payment__in=self.payments, status=RefundState.APPROVED).order_by(
+            "created_at", "pk").values_list("pk", "payment_id").first()
+        if refund is None:
             return multiple()
-        payment = Refund.objects.values_list("payment_id", flat=True).get(pk=refund)
         try:
-            attempt, _ = payouts._open_attempt(refund, payment_id=payment)
+            attempt, _ = payouts._open_attempt(refund[0], payment_id=refund[1])
         except ProcessorUnavailable:
-            return multiple()  # a call is in flight already, or an answer is unknown: this worker does not call
+            return multiple()  # its lease runs, or an earlier answer is unknown: this worker does not call
         if attempt is None:
-            return multiple()
+            return multiple()  # canceled (disputed) rather than paid
         self.in_flight = attempt
-        return self._index(payment)
+        return self._index(refund[1])
 
     @precondition(lambda self: getattr(self, "in_flight", None) is not None)
     @rule(late=st.sampled_from((0, 1, 30, LEASE.seconds - 1)))
@@ -829,8 +832,8 @@ def test_27_3_a_refund_the_gateway_ended_is_not_left_submitted(world) -> None:
 def test_27_4_a_refund_whose_call_outlived_its_lease_is_never_canceled(world) -> None:
     with Steps() as steps:
         steps.begin(zone="Pacific/Kiritimati", start=0, offset=0)
-        refund = steps.ask_refund(by_agent=True, payment=3, amount=3_000)
-        steps.a_call_outlives_its_lease(refund=refund)
+        steps.ask_refund(by_agent=True, payment=3, amount=3_000)
+        steps.a_call_outlives_its_lease()  # the worker takes it; its call is slow
         steps.dispute(payment=3, status="open")
         steps.clock_advances(minutes=3)  # the lease runs out; the call is still on its way
         steps.worker_runs()  # looks it up (not there yet) and cancels it: disputed
