@@ -24,6 +24,9 @@ Which property catches which finding (each failed on 40b02bc, with the steps of 
   28.1 stale proposal        control_in_force_is_the_last_approved_change (and the held refund's approver)
   28.3 staff split           one_person_refunds_no_more_than_their_authority
   28.4 grant by proposal     every_refusal_has_a_contract_code (a DataError, a 500 in the admin)
+The search reaches each of them by itself (README, "The stateful model": seeds and steps with each
+fix reverted); 27.1, 27.4 and 28.1 through the ``payments`` bundle (a dispute where a refund's money
+is in doubt), clock_passes_the_lease_of_the_call_in_flight and propose_another_version.
 """
 
 from __future__ import annotations
@@ -800,7 +803,8 @@ def test_27_1_a_book_that_cannot_list_every_refund_never_proves_one_absent(world
         steps.begin(zone="Asia/Kathmandu", start=0, offset=0)
         steps.ask_refund(by_agent=True, payment=2, amount=3_000)  # PayPal, a capture without an order
         steps.gateways_answer(sandbox="up", paypal="drop_after", settle_days=0, paypal_pending=False)
-        steps.worker_runs()  # PayPal pays; the answer is lost
+        lost = steps.worker_runs()  # PayPal pays; the answer is lost
+        assert lost.values == (2,)  # its payment goes to ``payments`` again: disputes fall on it likelier
         steps.dispute(payment=2, status="open")
         steps.worker_runs()  # 40b02bc: canceled on an incomplete book, paid at PayPal, no discrepancy
         steps.dispute(payment=2, status="lost")
@@ -833,7 +837,7 @@ def test_27_4_a_refund_whose_call_outlived_its_lease_is_never_canceled(world) ->
     with Steps() as steps:
         steps.begin(zone="Pacific/Kiritimati", start=0, offset=0)
         steps.ask_refund(by_agent=True, payment=3, amount=3_000)
-        steps.a_call_outlives_its_lease()  # the worker takes it; its call is slow
+        assert steps.a_call_outlives_its_lease() == 3  # the worker takes it; its call is slow
         steps.dispute(payment=3, status="open")
         steps.clock_advances(minutes=3)  # the lease runs out; the call is still on its way
         steps.worker_runs()  # looks it up (not there yet) and cancels it: disputed
