@@ -24,6 +24,9 @@ Which property catches which finding (each failed on 40b02bc, with the steps of 
   28.1 stale proposal        control_in_force_is_the_last_approved_change (and the held refund's approver)
   28.3 staff split           one_person_refunds_no_more_than_their_authority
   28.4 grant by proposal     every_refusal_has_a_contract_code (a DataError, a 500 in the admin)
+The search reaches each of them by itself (README, "The stateful model": seeds and steps with each
+fix reverted); 27.1, 27.4 and 28.1 through the ``payments`` bundle (a dispute where a refund's money
+is in doubt), clock_passes_the_lease_of_the_call_in_flight and propose_another_version.
 """
 
 from __future__ import annotations
@@ -130,6 +133,11 @@ CHANGES = st.sampled_from(tuple(CHOICES)).flatmap(lambda kind: st.tuples(st.just
     {}, optional={name: st.sampled_from(values) for name, values in CHOICES[kind].items()})))
 
 
+# The fields another version of a control changes (propose_another_version), by position in CHOICES:
+# field -> value, any of them, maybe none.
+FIELD_PICKS = st.fixed_dictionaries({}, optional={i: st.integers(0, 2) for i in range(2)})
+
+
 def waiting(name: str) -> bool:
     assert name in PROPERTIES, name
     return name in WAITING_FOR_A_FIX
@@ -148,6 +156,10 @@ def landmarks(zone: ZoneInfo) -> list[datetime]:
 class MoneyAndControls(RuleBasedStateMachine):
     refunds = Bundle("refunds")
     proposals = Bundle("proposals")
+    # The payments (their index in ``self.payments``) disputes fall on: each of the four once, and
+    # again each time a refund's money on it is in doubt (an answer lost, a call held in flight), so
+    # a dispute lands where a refund may be paid or not, the edge of findings 27.1 and 27.4.
+    payments = Bundle("payments")
 
     def __init__(self) -> None:
         super().__init__()
@@ -158,6 +170,7 @@ class MoneyAndControls(RuleBasedStateMachine):
         self._clock = None
         self._zone = None
         self.in_flight = None  # an attempt whose call is on the wire (a_call_outlives_its_lease)
+        self.proposal_kinds: dict[str, str] = {}  # every proposal -> its control kind, decided or not
         self.decisions = 0  # decisions on proposals so far
         self._checked: dict[str, object] = {}  # property -> what it last checked (skipped when unchanged)
 
@@ -185,8 +198,9 @@ class MoneyAndControls(RuleBasedStateMachine):
         self._savepoint.__exit__(None, None, None)
 
     # -- the world of one example ---------------------------------------------------------------
-    @initialize(zone=st.sampled_from(ZONES), start=st.integers(0, 40), offset=st.sampled_from(LANDMARK_OFFSETS))
-    def begin(self, zone: str, start: int, offset: int) -> None:
+    @initialize(target=payments, zone=st.sampled_from(ZONES), start=st.integers(0, 40),
+                offset=st.sampled_from(LANDMARK_OFFSETS))
+    def begin(self, zone: str, start: int, offset: int):
         self.tz = ZoneInfo(zone)
         self.landmarks = landmarks(self.tz)
         self.now = self.landmarks[start % len(self.landmarks)] + timedelta(minutes=offset)
@@ -211,6 +225,7 @@ class MoneyAndControls(RuleBasedStateMachine):
         for kind, subject in self.world.subjects.items():
             self.model.in_force[(kind, subject)] = {f: _plain(v) for f, v in CONTROLS[kind].current(subject).items()
                                                     if f in CHOICES[kind]}
+        return multiple(*range(len(self.payments)))
 
     def _paypal_payment(self, value: str, *, customer, with_order: bool) -> Payment:
         capture = self.paypal.add_capture(value, "USD", with_order=with_order)
@@ -268,31 +283,51 @@ class MoneyAndControls(RuleBasedStateMachine):
             self.paypal.set_mode(paypal)
         self.paypal.next_refund_status = "PENDING" if paypal_pending else "COMPLETED"
 
-    @rule()
-    def worker_runs(self) -> None:
+    @rule(target=payments)
+    def worker_runs(self):
         """The worker takes every approved refund from its queue once (a retry is its next run, a
-        second later at least: the clock stands still within a step, a worker's backoff does not)."""
+        second later at least: the clock stands still within a step, a worker's backoff does not).
+        The payments of refunds whose call's answer it lost go to ``payments`` again."""
         self._move(self.now + timedelta(seconds=1))
         for refund in Refund.objects.filter(status=RefundState.APPROVED).order_by("created_at", "pk"):
             try:
                 payouts.submit_refund(refund_id=refund.pk)
             except ProcessorUnavailable:
                 pass  # retried later: the model's next worker_runs
+        lost = GatewayAttempt.objects.filter(refund__payment__in=self.payments, outcome=GatewayAttempt.Outcome.UNKNOWN,
+                                             finished_at=self.now).values_list("refund__payment_id", flat=True)
+        return multiple(*sorted({self._index(payment) for payment in lost}))
 
-    @rule(refund=refunds)
-    def a_call_outlives_its_lease(self, refund: str) -> None:
-        """The worker opens its attempt and its request is on the wire, slow: the gateway acts on it
-        only when ``the_slow_call_lands`` (payouts.submit_refund's two halves, with steps between)."""
-        if self.in_flight is not None or not Refund.objects.filter(pk=refund, status=RefundState.APPROVED).exists():
-            return
+    @precondition(lambda self: getattr(self, "in_flight", None) is None)
+    @rule(target=payments)
+    def a_call_outlives_its_lease(self):
+        """The worker takes the next approved refund from its queue, opens its attempt, and its request
+        is on the wire, slow: the gateway acts on it only when ``the_slow_call_lands`` (the two halves
+        of payouts.submit_refund, with steps between). Its payment goes to ``payments`` again: its
+        money is in doubt until the call lands."""
+        refund = Refund.objects.filter(payment__in=self.payments, status=RefundState.APPROVED).order_by(
+            "created_at", "pk").values_list("pk", "payment_id").first()
+        if refund is None:
+            return multiple()
         try:
-            attempt, _ = payouts._open_attempt(refund, payment_id=Refund.objects.get(pk=refund).payment_id)
+            attempt, _ = payouts._open_attempt(refund[0], payment_id=refund[1])
         except ProcessorUnavailable:
-            return  # a call is in flight already, or an answer is unknown: this worker does not call
-        if attempt is not None:
-            self.in_flight = attempt
+            return multiple()  # its lease runs, or an earlier answer is unknown: this worker does not call
+        if attempt is None:
+            return multiple()  # canceled (disputed) rather than paid
+        self.in_flight = attempt
+        return self._index(refund[1])
 
     @precondition(lambda self: getattr(self, "in_flight", None) is not None)
+    @rule(late=st.sampled_from((0, 1, 30, LEASE.seconds - 1)))
+    def clock_passes_the_lease_of_the_call_in_flight(self, late: int) -> None:
+        """The clock moves while the slow call is on the wire: its lease runs out (``late`` seconds
+        ago), before its client gives up (a lease later)."""
+        self._move(max(self.now, self.in_flight.lease_until + timedelta(seconds=late)))
+
+    # The call outlives its lease: it lands once the lease ran out (the moment a look-up may read the
+    # gateway's book without it), or never (its client gives up, _move).
+    @precondition(lambda self: getattr(self, "in_flight", None) is not None and self.now >= self.in_flight.lease_until)
     @rule()
     def the_slow_call_lands(self) -> None:
         attempt, self.in_flight = self.in_flight, None
@@ -338,7 +373,7 @@ class MoneyAndControls(RuleBasedStateMachine):
         for _ in range(times):
             self._webhook(refund)
 
-    @rule(payment=st.integers(0, 3), status=st.sampled_from(("open", "lost")))
+    @rule(payment=payments, status=st.sampled_from(("open", "lost")))
     def dispute(self, payment: int, status: str) -> None:
         chosen = self.payments[payment]
         event = WebhookEvent(processor=chosen.processor, event_id=uuid.uuid4().hex, type="dispute.updated",
@@ -428,7 +463,19 @@ class MoneyAndControls(RuleBasedStateMachine):
             return multiple()
         self.model.propose(Proposed(id=proposal.pk, kind=kind, subject=subject, by=proposer,
                                     before={f: before.get(f) for f in changed}, after=changed))
+        self.proposal_kinds[proposal.pk] = kind
         return proposal.pk
+
+    @rule(target=proposals, of=proposals, fields=FIELD_PICKS, proposer=st.sampled_from(("ana", "ben", "cy")))
+    def propose_another_version(self, of: str, fields: dict[int, int], proposer: str):
+        """A person proposes a change of the control an earlier proposal changes, maybe while that one
+        still waits: two versions of one control pending, decided in either order (finding 28.1)."""
+        kind = self.proposal_kinds[of]
+        names, wanted = tuple(CHOICES[kind]), {}
+        for i, v in fields.items():
+            name = names[i % len(names)]
+            wanted[name] = CHOICES[kind][name][v % len(CHOICES[kind][name])]
+        return self.propose(change=(kind, wanted), proposer=proposer)
 
     @rule(proposal=proposals, person=st.sampled_from(("ana", "ben", "cy")), approve=st.booleans())
     def decide_proposal(self, proposal: str, person: str, approve: bool) -> None:
@@ -550,6 +597,9 @@ class MoneyAndControls(RuleBasedStateMachine):
         """The refunds still counting (not denied, rejected, canceled or failed): id -> (payment, amount)."""
         return {pk: (payment, amount) for pk, payment, amount in Refund.objects.filter(
             payment__in=self.payments, status__in=COUNTING_STATES).values_list("pk", "payment_id", "amount_minor")}
+
+    def _index(self, payment_id: str) -> int:
+        return next(i for i, payment in enumerate(self.payments) if payment.pk == payment_id)
 
     def _has_a_code(self, code: str | None) -> None:
         if not waiting("every_refusal_has_a_contract_code"):
@@ -753,7 +803,8 @@ def test_27_1_a_book_that_cannot_list_every_refund_never_proves_one_absent(world
         steps.begin(zone="Asia/Kathmandu", start=0, offset=0)
         steps.ask_refund(by_agent=True, payment=2, amount=3_000)  # PayPal, a capture without an order
         steps.gateways_answer(sandbox="up", paypal="drop_after", settle_days=0, paypal_pending=False)
-        steps.worker_runs()  # PayPal pays; the answer is lost
+        lost = steps.worker_runs()  # PayPal pays; the answer is lost
+        assert lost.values == (2,)  # its payment goes to ``payments`` again: disputes fall on it likelier
         steps.dispute(payment=2, status="open")
         steps.worker_runs()  # 40b02bc: canceled on an incomplete book, paid at PayPal, no discrepancy
         steps.dispute(payment=2, status="lost")
@@ -785,8 +836,8 @@ def test_27_3_a_refund_the_gateway_ended_is_not_left_submitted(world) -> None:
 def test_27_4_a_refund_whose_call_outlived_its_lease_is_never_canceled(world) -> None:
     with Steps() as steps:
         steps.begin(zone="Pacific/Kiritimati", start=0, offset=0)
-        refund = steps.ask_refund(by_agent=True, payment=3, amount=3_000)
-        steps.a_call_outlives_its_lease(refund=refund)
+        steps.ask_refund(by_agent=True, payment=3, amount=3_000)
+        assert steps.a_call_outlives_its_lease() == 3  # the worker takes it; its call is slow
         steps.dispute(payment=3, status="open")
         steps.clock_advances(minutes=3)  # the lease runs out; the call is still on its way
         steps.worker_runs()  # looks it up (not there yet) and cancels it: disputed
