@@ -142,7 +142,7 @@ def export_history(request: HttpRequest, model_admin, object_id: str) -> HttpRes
     records = model_admin.get_history_queryset(request, history, opts.pk.attname, object_id)
     obj = model_admin.get_queryset(request).filter(pk=object_id).first()
     if obj is None:
-        latest = records.order_by("-history_date").first()
+        latest = records.order_by("-history_date", "-history_id").first()
         if latest is None:
             raise Http404
         obj = latest.instance

@@ -360,4 +360,4 @@ def test_a_run_reads_books_and_known_refunds_per_chunk_and_keeps_only_its_findin
     chunks = [q for q in sql if q.startswith('SELECT "refundops_payment"') and q.endswith("LIMIT 3")]
     assert len(chunks) == 3 and len(agreeing) == 6
     # The payments whose books plainly agree take no lock; the one that differs is compared under it.
-    assert sum("FOR UPDATE" in q and 'FROM "refundops_payment"' in q for q in sql) == 1
+    assert sum("FOR UPDATE OF p" in q and "FROM refundops_payment p" in q for q in sql) == 1  # locks.lock_payment
