@@ -106,13 +106,18 @@ SEED = [
 ]
 
 
-def seed(n: int) -> None:
+def fresh_database(name: str) -> None:
+    """A bench's database, dropped, created and migrated (Django already points at it)."""
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DB_NAME}")
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {name}")
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
+
+
+def seed(n: int) -> None:
+    fresh_database(DB_NAME)
     with psycopg.connect(f"{PG}/{DB_NAME}") as conn:
         # Bench-only: foreign keys and the audit triggers (append-only, hash chain) step aside while
         # the rows go in; the pages read them, they do not verify them.

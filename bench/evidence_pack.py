@@ -102,13 +102,10 @@ def _django(db: str = DB_NAME) -> None:
 
 
 def seed(n: int) -> None:
-    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DB_NAME}")
     _django()
-    from django.core.management import call_command
+    from bench.admin_scale import fresh_database
 
-    call_command("migrate", verbosity=0)
+    fresh_database(DB_NAME)
     from refundops.models import Agent, Capability, RefundLimits
 
     before = START - timedelta(days=30)

@@ -31,14 +31,9 @@ PG = "postgres://postgres@127.0.0.1:5432"
 
 
 def seed(n: int) -> None:
-    from bench.admin_scale import SEED
+    from bench.admin_scale import SEED, fresh_database
 
-    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {DB_NAME} WITH (FORCE)")
-        conn.execute(f"CREATE DATABASE {DB_NAME}")
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
+    fresh_database(DB_NAME)
     with psycopg.connect(f"{PG}/{DB_NAME}") as conn:
         conn.execute("SET session_replication_role = replica")  # foreign keys step aside while rows go in
         for sql in SEED:
