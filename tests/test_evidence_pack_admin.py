@@ -140,3 +140,76 @@ def test_an_auditor_builds_downloads_and_verifies_a_pack_in_chromium_at_1366(liv
     assert list(_evidence_entries().values_list("action", flat=True).order_by("id")) == [
         "evidence_pack.requested", "evidence_pack.built", "evidence_pack.downloaded"]
     page.context.close()
+
+
+def _requested_without_a_worker(monkeypatch, username: str = "auditor-1") -> EvidencePack:
+    from refundops import outbox
+    from refundops.services import evidence_packs
+    monkeypatch.setattr(outbox, "send_after_commit", lambda task, kwargs, **_: None)  # the test plays the worker
+    today = timezone.now().date()
+    return evidence_packs.request_evidence_pack(username=username, first_day=today, last_day=today)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_second_delivery_of_the_build_while_the_first_runs_neither_builds_again_nor_spoils_the_zip(signing,
+                                                                                                   monkeypatch):
+    """The outbox delivers at least once: a second worker taking the task while the first builds
+    must leave the pack to it (on main both wrote the same file, and both audited a build)."""
+    import threading
+
+    from django.db import connection
+
+    from refundops.services import evidence_packs
+    make_limits(), make_rules()
+    pack = _requested_without_a_worker(monkeypatch)
+    real_build, second = evidence_packs.build_pack, {}
+
+    def deliver_again() -> None:
+        try:
+            second["pack"] = evidence_packs.build_requested_pack(pack_id=pack.pk)
+        finally:
+            connection.close()
+
+    def build_while_a_second_worker_takes_the_task(**kwargs):
+        def progress(step: str) -> None:
+            kwargs["progress"](step)
+            if not second:
+                second["started"] = True
+                worker = threading.Thread(target=deliver_again)
+                worker.start(), worker.join()
+        return real_build(**{**kwargs, "progress": progress})
+
+    monkeypatch.setattr(evidence_packs, "build_pack", build_while_a_second_worker_takes_the_task)
+    built = evidence_packs.build_requested_pack(pack_id=pack.pk)
+    assert built.status == "done" and second["pack"].status != "done"  # the second left it to the first
+    assert AuditEntry.objects.filter(action="evidence_pack.built").count() == 1
+    assert verify_pack(pack_path(built), signing) == []
+    with zipfile.ZipFile(pack_path(built)) as archive:
+        import hashlib
+        assert hashlib.sha256(archive.read("manifest.json")).hexdigest() == built.manifest_sha256
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pack_whose_worker_died_does_not_show_building_forever(signing, monkeypatch):
+    """A worker killed mid-build (no exception, no FAILED) left the row 'building' for good; no worker
+    holds the pack's lock now, so the page says it failed and why, and a redelivery builds it."""
+    from refundops.services import evidence_packs
+    make_limits(), make_rules()
+    pack = _requested_without_a_worker(monkeypatch)
+    EvidencePack.objects.filter(pk=pack.pk).update(status="building", step="Refunds paid", steps_done=9)
+    auditor = _staff("auditor-2", "auditor")
+    progress = auditor.get(reverse("admin:audit_evidencepack_progress", args=[pack.pk])).json()
+    assert progress["status"] == "failed" and "stopped" in progress["error"]
+    assert evidence_packs.build_requested_pack(pack_id=pack.pk).status == "done"  # the task, delivered again
+
+
+@pytest.mark.django_db
+def test_a_head_request_for_a_pack_is_not_a_download_and_is_not_audited_as_one(signing,
+                                                                             django_capture_on_commit_callbacks):
+    make_limits(), make_rules()
+    auditor = _staff("auditor-1", "auditor")
+    with django_capture_on_commit_callbacks(execute=True):
+        auditor.post(reverse(LIST), {"first_day": _today(), "last_day": _today()})
+    pack = EvidencePack.objects.get()
+    assert auditor.head(reverse("admin:audit_evidencepack_download", args=[pack.pk])).status_code == 405
+    assert not _evidence_entries().filter(action="evidence_pack.downloaded").exists()

@@ -10,11 +10,13 @@ fingerprint, which the auditor compares with the public key they keep.
 from __future__ import annotations
 
 import hashlib
+import os
+from contextlib import contextmanager
 from datetime import UTC, date, datetime, time, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from audit.evidence import CONTROLS, build_pack, load_signing_key, public_pem
@@ -22,6 +24,7 @@ from audit.models import EvidencePack
 from audit.services import record_audit
 from refundops import outbox
 from refundops.errors import ApiError
+from refundops.locks import advisory_key
 from refundops.models import Merchant
 
 BUILD_TASK = "refundops.tasks.build_evidence_pack"
@@ -61,12 +64,51 @@ def request_evidence_pack(*, username: str, first_day: date, last_day: date, mer
     return pack
 
 
+@contextmanager
+def _building(pack_id: str):
+    """The pack's session advisory lock, held by the worker building it for the whole build: yields
+    whether it was had. A second delivery of the task finds it taken and leaves the pack alone; a
+    worker that dies lets go of it with its connection, so a pack 'building' with its lock free
+    was abandoned (``abandoned``)."""
+    key = advisory_key("evidence_pack", pack_id)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [key])
+        had = cursor.fetchone()[0]
+    try:
+        yield had
+    finally:
+        if had:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(%s)", [key])
+
+
+ABANDONED = "The worker building this pack stopped before it finished; ask for the pack again."
+
+
+def abandoned(pack: EvidencePack) -> EvidencePack:
+    """``pack``, marked failed if it reads 'building' while no worker holds its lock (one died)."""
+    if pack.status != EvidencePack.Status.BUILDING:
+        return pack
+    with _building(pack.pk) as free:
+        # Under the lock: a worker that just finished set DONE before letting go, so this finds no row.
+        if free and EvidencePack.objects.filter(pk=pack.pk, status=EvidencePack.Status.BUILDING).update(
+                status=EvidencePack.Status.FAILED, error=ABANDONED, finished_at=timezone.now()):
+            pack.refresh_from_db()
+    return pack
+
+
 def build_requested_pack(*, pack_id: str) -> EvidencePack:
     """Build a requested pack, writing each step's progress on its row (the page polls it). A second
-    run of the task (at-least-once delivery) finds the pack done and does nothing."""
-    pack = EvidencePack.objects.get(pk=pack_id)
-    if pack.status == EvidencePack.Status.DONE:
-        return pack
+    run of the task (at-least-once delivery) finds the pack done, or being built by another worker,
+    and does nothing."""
+    with _building(pack_id) as had:
+        pack = EvidencePack.objects.get(pk=pack_id)
+        if not had or pack.status == EvidencePack.Status.DONE:
+            return pack
+        return _build(pack)
+
+
+def _build(pack: EvidencePack) -> EvidencePack:
     EvidencePack.objects.filter(pk=pack.pk).update(status=EvidencePack.Status.BUILDING, steps_done=0, error="")
     done = {"steps": 0}
 
@@ -76,12 +118,15 @@ def build_requested_pack(*, pack_id: str) -> EvidencePack:
 
     out = pack_path(pack)
     out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".part")  # the download's path holds only a whole pack
     begins = datetime.combine(pack.first_day, time.min, UTC)
     ends = datetime.combine(pack.last_day + timedelta(days=1), time.min, UTC)
     try:
-        result = build_pack(start=begins, end=ends, out=out, signing_key=load_signing_key(settings.EVIDENCE_SIGNING_KEY),
+        result = build_pack(start=begins, end=ends, out=partial, signing_key=load_signing_key(settings.EVIDENCE_SIGNING_KEY),
                             merchant_id=pack.merchant_id or None, progress=progress)
+        os.replace(partial, out)
     except Exception as exc:  # the page says what went wrong; the worker's log has the trace
+        partial.unlink(missing_ok=True)
         EvidencePack.objects.filter(pk=pack.pk).update(status=EvidencePack.Status.FAILED, error=str(exc)[:2000],
                                                        finished_at=timezone.now())
         raise
