@@ -17,7 +17,7 @@ import json
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, date, datetime, time, timedelta
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,13 @@ class Period:
     start: datetime
     end: datetime  # exclusive
     merchant_id: str | None = None
+
+
+def period_of_days(first: date, last: date) -> Period:
+    """Whole UTC days, ``last`` included: [first 00:00, the day after last 00:00)."""
+    if last >= date.max:  # the end is the next midnight, which no date holds
+        raise ValueError(f"{last} has no next day: end the period before {date.max}")
+    return Period(datetime.combine(first, time.min, UTC), datetime.combine(last + timedelta(days=1), time.min, UTC))
 
 
 @dataclass

@@ -24,6 +24,7 @@ from audit.models import AuditEntry, Verdict
 from processors import sandbox
 from processors.models import InboundEvent
 from refundops.models import Agent, AgentKey, GatewayAttempt, HoldRules, Merchant, Refund, RefundLimits
+from refundops.models.merchants import DEFAULT_MERCHANT_ID
 from refundops.services import payouts
 from tests.conftest import make_agent_key, make_limits, make_payment, make_rules, make_staff, post
 
@@ -310,3 +311,48 @@ def test_payment_links_sent_on_a_gateway_are_gateway_writes_that_need_a_verdict_
     with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
         listed = pack.read("controls/gateway_writes.csv").decode()
     assert f"{sent.pk}," in listed and ",payment_link," in listed
+
+
+def test_no_secret_of_the_platform_is_in_the_pack(tmp_path, signing):
+    """Agent keys (raw and digest), a person's password hash, a TOTP key, a merchant endpoint's
+    webhook secret and the signing key itself: none of them in any file of the pack."""
+    from django.contrib.auth.models import User
+    from django_otp.plugins.otp_totp.models import TOTPDevice
+    from refundops.models import MerchantEndpoint
+    from refundops.services.agents import create_agent
+    make_limits(), make_rules()
+    person = User.objects.create_user("finance-1", password="a-long-password-1", is_staff=True)
+    device = TOTPDevice.objects.create(user=person, name="phone", confirmed=True)
+    endpoint = MerchantEndpoint.objects.create(merchant=Merchant.objects.get(pk=DEFAULT_MERCHANT_ID),
+                                               url="https://shop.example/hooks")
+    agent, raw = create_agent(name="support bot", capabilities=["refunds.create"], actor=person)
+    digest = AgentKey.objects.get(agent=agent).key_hash
+    private = (tmp_path / "evidence.pem").read_bytes()
+    secrets = {"raw key": raw, "key digest": digest, "password hash": person.password.split("$")[-1],
+               "TOTP key": device.key, "webhook secret": endpoint.secret,
+               "signing key": private.splitlines()[1].decode()}
+    start, end = _period()
+    build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
+        files = {name: pack.read(name) for name in pack.namelist()}
+    assert "key.issued" in files["audit_chain_segment.csv"].decode()  # the audited paths are in it
+    leaked = [(what, name) for what, value in secrets.items() for name, body in files.items()
+              if value.encode() in body]
+    assert leaked == []
+
+
+def test_every_pack_csv_defuses_cells_a_spreadsheet_would_run(tmp_path, signing):
+    """An agent's name, a caller's idempotency key: text from outside, in the pack's CSVs."""
+    make_limits(), make_rules()
+    agent = Agent.objects.create(name="=HYPERLINK(\"http://x.example\",\"click\")", capabilities=["refunds.create"],
+                                 merchant_id=DEFAULT_MERCHANT_ID)
+    Refund.objects.create(payment=make_payment(), amount_minor=100, currency="USD", reason="duplicate",
+                          idempotency_key="+cmd|' /C calc'!A0", agent=agent)
+    start, end = _period()
+    build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
+        cells = [cell for name in pack.namelist() if name.endswith(".csv")
+                 for row in csv.reader(io.StringIO(pack.read(name).decode())) for cell in row]
+    assert "'=HYPERLINK(\"http://x.example\",\"click\")" in cells and "'+cmd|' /C calc'!A0" in cells
+    assert not [cell for cell in cells if cell[:1] in ("=", "+", "@", "\t", "\r")
+                or (cell[:1] == "-" and not cell.lstrip("-").replace(".", "").isdigit())]

@@ -213,3 +213,18 @@ def test_a_head_request_for_a_pack_is_not_a_download_and_is_not_audited_as_one(s
     pack = EvidencePack.objects.get()
     assert auditor.head(reverse("admin:audit_evidencepack_download", args=[pack.pk])).status_code == 405
     assert not _evidence_entries().filter(action="evidence_pack.downloaded").exists()
+
+
+@pytest.mark.django_db
+def test_a_period_ending_on_the_last_day_a_date_can_hold_is_refused_not_queued_to_fail(signing, tmp_path):
+    """9999-12-31 passes the form's DateField, and the worker's end (the next midnight) overflows:
+    on main the request was accepted and the build failed with 'date value out of range'."""
+    auditor = _staff("auditor-1", "auditor")
+    answer = auditor.post(reverse(LIST), {"first_day": "9999-12-30", "last_day": "9999-12-31"})
+    assert answer.status_code == 400 and "9999-12-31" in answer.content.decode()
+    assert not EvidencePack.objects.exists() and not _evidence_entries().exists()
+    from django.core.management.base import CommandError
+    with pytest.raises(CommandError, match="9999-12-31"):
+        call_command("evidence_pack", "--from", "9999-12-30", "--to", "9999-12-31", "--out", str(tmp_path / "p.zip"),
+                     stdout=io.StringIO())
+    assert not (tmp_path / "p.zip").exists()

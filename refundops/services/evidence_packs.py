@@ -12,14 +12,14 @@ from __future__ import annotations
 import hashlib
 import os
 from contextlib import contextmanager
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import date
 from pathlib import Path
 
 from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
-from audit.evidence import CONTROLS, build_pack, load_signing_key, public_pem
+from audit.evidence import CONTROLS, build_pack, load_signing_key, period_of_days, public_pem
 from audit.models import EvidencePack
 from audit.services import record_audit
 from refundops import outbox
@@ -50,6 +50,10 @@ def request_evidence_pack(*, username: str, first_day: date, last_day: date, mer
         raise ApiError("VALIDATION_ERROR", "The last day is before the first.")
     if (last_day - first_day).days >= LONGEST_PERIOD_DAYS:
         raise ApiError("VALIDATION_ERROR", f"A pack covers at most {LONGEST_PERIOD_DAYS} days.")
+    try:
+        period_of_days(first_day, last_day)
+    except ValueError as no_end:
+        raise ApiError("VALIDATION_ERROR", f"{no_end}.") from None
     if merchant_id and not Merchant.objects.filter(pk=merchant_id).exists():
         raise ApiError("VALIDATION_ERROR", f"No merchant {merchant_id!r}.")
     if not settings.EVIDENCE_SIGNING_KEY:
@@ -119,10 +123,9 @@ def _build(pack: EvidencePack) -> EvidencePack:
     out = pack_path(pack)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".part")  # the download's path holds only a whole pack
-    begins = datetime.combine(pack.first_day, time.min, UTC)
-    ends = datetime.combine(pack.last_day + timedelta(days=1), time.min, UTC)
+    period = period_of_days(pack.first_day, pack.last_day)
     try:
-        result = build_pack(start=begins, end=ends, out=partial, signing_key=load_signing_key(settings.EVIDENCE_SIGNING_KEY),
+        result = build_pack(start=period.start, end=period.end, out=partial, signing_key=load_signing_key(settings.EVIDENCE_SIGNING_KEY),
                             merchant_id=pack.merchant_id or None, progress=progress)
         os.replace(partial, out)
     except Exception as exc:  # the page says what went wrong; the worker's log has the trace
