@@ -356,3 +356,27 @@ def test_every_pack_csv_defuses_cells_a_spreadsheet_would_run(tmp_path, signing)
     assert "'=HYPERLINK(\"http://x.example\",\"click\")" in cells and "'+cmd|' /C calc'!A0" in cells
     assert not [cell for cell in cells if cell[:1] in ("=", "+", "@", "\t", "\r")
                 or (cell[:1] == "-" and not cell.lstrip("-").replace(".", "").isdigit())]
+
+
+def test_a_resubmitted_refund_is_rechecked_on_the_verdict_that_sent_it_again(tmp_path, signing):
+    """A failed agent refund a person resubmits is paid on the resubmission's verdict (the refund keeps
+    pointing at its first). That verdict names no agent (a person asked) and no session, though the
+    policy held it to the agent's bounds: on main the pack re-checked only the first verdict and its
+    over-the-limit resubmission was no exception."""
+    make_limits(agent_daily_amount_minor=1_000), make_rules()
+    agent, _ = make_agent_key("refunds.create")
+    refund = _paid_on_a_verdict_of(timezone.now(), currency="USD",
+                                   totals={"agent_day_minor": 0}, amount=500)
+    Refund.objects.filter(pk=refund.pk).update(agent=agent.agent, agent_session_id="chat-9")
+    Verdict.objects.filter(pk=refund.verdict_id).update(agent_id=agent.agent_id)
+    Verdict.objects.create(operation="refund.resubmit", outcome="denied", refund_id=refund.pk, currency="USD",
+                           totals={"agent_day_minor": 0}, staff_username="finance-1")  # refused: not the payer
+    again = Verdict.objects.create(operation="refund.resubmit", outcome="approved", refund_id=refund.pk,
+                                   currency="USD", totals={"agent_day_minor": 800}, staff_username="finance-1",
+                                   request={"refund_id": refund.pk, "note": "card reissued"})
+    start, end = _period()
+    result = build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    paid = next(c for c in result.controls if c.slug == "paid_refunds")
+    assert [row_id for row_id, _ in paid.exceptions] == [refund.pk]
+    assert f"its verdict {again.pk}'s totals passed USD limits v1" in paid.exceptions[0][1]
+    assert "agent_daily_amount_minor 1300 > 1000" in paid.exceptions[0][1]
