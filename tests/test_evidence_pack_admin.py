@@ -228,3 +228,21 @@ def test_a_period_ending_on_the_last_day_a_date_can_hold_is_refused_not_queued_t
         call_command("evidence_pack", "--from", "9999-12-30", "--to", "9999-12-31", "--out", str(tmp_path / "p.zip"),
                      stdout=io.StringIO())
     assert not (tmp_path / "p.zip").exists()
+
+
+@pytest.mark.django_db
+def test_the_packs_other_admin_doors_are_shut_to_other_roles_and_the_form_needs_its_csrf_token(signing):
+    """Beside the three views: the list's CSV export, a pack's own page and its history (the admin's
+    URLs kept under ours); and a POST without the CSRF token, even from an auditor."""
+    auditor = _staff("auditor-1", "auditor")
+    auditor.post(reverse(LIST), {"first_day": _today(), "last_day": _today()})
+    pack = EvidencePack.objects.get()
+    finance = _staff("finance-1", "finance approver")
+    for url in (reverse("admin:audit_evidencepack_export_csv"), reverse("admin:audit_evidencepack_change", args=[pack.pk]),
+                reverse("admin:audit_evidencepack_history", args=[pack.pk])):
+        assert finance.get(url).status_code == 403, url
+    assert auditor.get(reverse("admin:audit_evidencepack_change", args=[pack.pk])).status_code == 200
+    forged = Client(enforce_csrf_checks=True)
+    forged.force_login(User.objects.get(username="auditor-1"))
+    assert forged.post(reverse(LIST), {"first_day": _today(), "last_day": _today()}).status_code == 403
+    assert EvidencePack.objects.count() == 1 and _evidence_entries().count() == 1
