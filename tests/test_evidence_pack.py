@@ -380,3 +380,21 @@ def test_a_resubmitted_refund_is_rechecked_on_the_verdict_that_sent_it_again(tmp
     assert [row_id for row_id, _ in paid.exceptions] == [refund.pk]
     assert f"its verdict {again.pk}'s totals passed USD limits v1" in paid.exceptions[0][1]
     assert "agent_daily_amount_minor 1300 > 1000" in paid.exceptions[0][1]
+
+
+def test_a_verdict_at_the_very_moment_limits_changed_is_judged_by_the_new_version_and_one_before_any_by_none(
+        tmp_path, signing):
+    """A version is in force from its created_at, that instant included: a change of the limits takes
+    the currency's lock before its row is written, so a decision made on the old version was written
+    before it (refundops.locks.lock_currency). A verdict from before any limits: an exception, named."""
+    moment = timezone.now() - timedelta(minutes=10)
+    for bound, at in ((10**9, moment - timedelta(minutes=5)), (1_000, moment)):
+        RefundLimits.objects.filter(pk=make_limits(global_daily_amount_minor=bound).pk).update(created_at=at)
+    make_rules()
+    at_the_change = _paid_on_a_verdict_of(moment, currency="USD", totals={"global_day_minor": 900}, amount=500)
+    before_any = _paid_on_a_verdict_of(moment - timedelta(minutes=6), currency="USD", totals={}, amount=500)
+    start, end = _period()
+    result = build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    paid = dict(next(c for c in result.controls if c.slug == "paid_refunds").exceptions)
+    assert "limits v2, in force then: global_daily_amount_minor 1400 > 1000" in paid[at_the_change.pk]
+    assert paid[before_any.pk].startswith("no USD limits were in force")
