@@ -151,10 +151,13 @@ def _requested_without_a_worker(monkeypatch, username: str = "auditor-1") -> Evi
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("first_worker", ["alive", "silent past its lease"])
 def test_a_second_delivery_of_the_build_while_the_first_runs_neither_builds_again_nor_spoils_the_zip(signing,
-                                                                                                   monkeypatch):
+                                                                                                   monkeypatch,
+                                                                                                   first_worker):
     """The outbox delivers at least once: a second worker taking the task while the first builds
-    must leave the pack to it (on main both wrote the same file, and both audited a build)."""
+    must leave the pack to it (on main both wrote the same file, and both audited a build). If the
+    first was silent past its lease the second takes over, and the first, back, finishes nothing."""
     import threading
 
     from django.db import connection
@@ -175,13 +178,21 @@ def test_a_second_delivery_of_the_build_while_the_first_runs_neither_builds_agai
             kwargs["progress"](step)
             if not second:
                 second["started"] = True
+                if first_worker != "alive":
+                    EvidencePack.objects.filter(pk=pack.pk).update(heartbeat_at=timezone.now() - timedelta(days=1))
                 worker = threading.Thread(target=deliver_again)
                 worker.start(), worker.join()
         return real_build(**{**kwargs, "progress": progress})
 
     monkeypatch.setattr(evidence_packs, "build_pack", build_while_a_second_worker_takes_the_task)
-    built = evidence_packs.build_requested_pack(pack_id=pack.pk)
-    assert built.status == "done" and second["pack"].status != "done"  # the second left it to the first
+    first = evidence_packs.build_requested_pack(pack_id=pack.pk)
+    if first_worker == "alive":
+        assert first.status == "done" and second["pack"].status != "done"  # the second left it to the first
+    else:
+        assert second["pack"].status == "done"
+    built = EvidencePack.objects.get(pk=pack.pk)
+    assert built.status == "done"
+    assert not list(pack_path(built).parent.glob("*.part"))
     assert AuditEntry.objects.filter(action="evidence_pack.built").count() == 1
     assert verify_pack(pack_path(built), signing) == []
     with zipfile.ZipFile(pack_path(built)) as archive:
@@ -191,14 +202,21 @@ def test_a_second_delivery_of_the_build_while_the_first_runs_neither_builds_agai
 
 @pytest.mark.django_db(transaction=True)
 def test_a_pack_whose_worker_died_does_not_show_building_forever(signing, monkeypatch):
-    """A worker killed mid-build (no exception, no FAILED) left the row 'building' for good; no worker
-    holds the pack's lock now, so the page says it failed and why, and a redelivery builds it."""
+    """A worker killed mid-build (no exception, no FAILED) left the row 'building' for good. A builder
+    renews its lease at every step; past the lease the page says it failed and why, and a redelivery
+    builds it. A builder within its lease is left alone."""
     from refundops.services import evidence_packs
     make_limits(), make_rules()
     pack = _requested_without_a_worker(monkeypatch)
-    EvidencePack.objects.filter(pk=pack.pk).update(status="building", step="Refunds paid", steps_done=9)
     auditor = _staff("auditor-2", "auditor")
-    progress = auditor.get(reverse("admin:audit_evidencepack_progress", args=[pack.pk])).json()
+    progress_url = reverse("admin:audit_evidencepack_progress", args=[pack.pk])
+    EvidencePack.objects.filter(pk=pack.pk).update(status="building", step="Refunds paid", steps_done=9,
+                                                   builder="alive", heartbeat_at=timezone.now())
+    assert auditor.get(progress_url).json()["status"] == "building"
+    assert evidence_packs.build_requested_pack(pack_id=pack.pk).builder == "alive"  # a redelivery leaves it
+    EvidencePack.objects.filter(pk=pack.pk).update(heartbeat_at=timezone.now() - evidence_packs.LEASE
+                                                   - timedelta(seconds=1))
+    progress = auditor.get(progress_url).json()
     assert progress["status"] == "failed" and "stopped" in progress["error"]
     assert evidence_packs.build_requested_pack(pack_id=pack.pk).status == "done"  # the task, delivered again
 
