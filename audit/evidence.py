@@ -17,7 +17,7 @@ import json
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, date, datetime, time, timedelta
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,13 @@ class Period:
     start: datetime
     end: datetime  # exclusive
     merchant_id: str | None = None
+
+
+def period_of_days(first: date, last: date) -> Period:
+    """Whole UTC days, ``last`` included: [first 00:00, the day after last 00:00)."""
+    if last >= date.max:  # the end is the next midnight, which no date holds
+        raise ValueError(f"{last} has no next day: end the period before {date.max}")
+    return Period(datetime.combine(first, time.min, UTC), datetime.combine(last + timedelta(days=1), time.min, UTC))
 
 
 @dataclass
@@ -392,12 +399,6 @@ def _in_force(versions: list[tuple[datetime, int, dict[str, int]]], at: datetime
     return found
 
 
-def _session_of(request: dict) -> str:
-    body = request.get("body", request) if isinstance(request, dict) else {}
-    agent = body.get("agent") if isinstance(body, dict) else None
-    return str(agent.get("session_id") or "") if isinstance(agent, dict) else ""
-
-
 def over_limits_in_force(*, totals: dict, amount: int, bounds: dict[str, int], by_agent: bool,
                          session: bool) -> list[str]:
     """The bounds a decision's recorded totals plus its amount passed, for the limits then in force."""
@@ -409,24 +410,42 @@ def over_limits_in_force(*, totals: dict, amount: int, bounds: dict[str, int], b
     return over
 
 
+RESUBMIT = "refund.resubmit"  # refundops.services.refunds.RESUBMIT: a person sends a failed refund again
+
+
 def paid_refunds(period: Period, control: Control):
     """Every refund paid in the period has an approving verdict (approved, or held and approved by a
     person with the authority), no check of that verdict failed, and the running totals it recorded
-    plus its amount were within the limits version in force at the verdict's moment (not today's)."""
+    plus its amount were within the limits version in force at the verdict's moment (not today's).
+    The verdict is the one that last let the refund go: a resubmission's, when a person sent a failed
+    refund again (the refund keeps pointing at its first), else the first. The agent and session
+    bounds apply by the refund's own agent and session: a resubmission is asked by a person, yet the
+    policy held it to the agent's bounds."""
+    from django.db.models import Subquery
+    from django.db.models.functions import JSONObject
+    from django.utils.dateparse import parse_datetime
+
     from refundops.models import Refund
     limits = _limits_over_time()
     approved_by_person = AuditEntry.objects.filter(action="refund.approved", subject_type="refund",
                                                    subject_id=OuterRef("pk"))
+    resubmitted = (Verdict.objects.filter(operation=RESUBMIT, refund_id=OuterRef("pk")).exclude(outcome="denied")
+                   .order_by("-created_at", "-pk").values(last=JSONObject(
+                       id="pk", outcome="outcome", checks="checks", totals="totals", at="created_at"))[:1])
     refunds = (Refund.objects.filter(status__in=PAID_STATES).filter(_in_period(period, "submitted_at"))
-               .annotate(person_approved=Exists(approved_by_person)).order_by("submitted_at", "pk"))
+               .annotate(person_approved=Exists(approved_by_person), resubmission=Subquery(resubmitted))
+               .order_by("submitted_at", "pk"))
     if period.merchant_id:
         refunds = refunds.filter(payment__merchant_id=period.merchant_id)
 
     def rows():
-        for *r, decided_at, asked_by_agent, request in refunds.values_list(
+        for *r, decided_at, agent_id, session_id, again in refunds.values_list(
                 "pk", "submitted_at", "status", "origin", "amount_minor", "currency", "verdict_id", "verdict__outcome",
-                "verdict__checks", "verdict__totals", "person_approved", "verdict__created_at", "verdict__agent_id",
-                "verdict__request").iterator(chunk_size=CHUNK):
+                "verdict__checks", "verdict__totals", "person_approved", "verdict__created_at", "agent_id",
+                "agent_session_id", "resubmission").iterator(chunk_size=CHUNK):
+            if again:
+                r[6:10] = again["id"], again["outcome"], again["checks"], again["totals"]
+                decided_at = parse_datetime(again["at"])
             rid, _, _, origin, amount, currency, verdict_id, outcome, checks, totals, by_person = r
             in_force = _in_force(limits.get(currency, []), decided_at) if verdict_id else None
             failed = [c.get("name", "?") for c in (checks or []) if isinstance(c, dict) and c.get("result") == "fail"]
@@ -442,7 +461,7 @@ def paid_refunds(period: Period, control: Control):
             elif in_force is None:
                 why = f"no {currency} limits were in force when its verdict {verdict_id} was decided"
             elif over := over_limits_in_force(totals=totals or {}, amount=amount, bounds=in_force[1],
-                                              by_agent=bool(asked_by_agent), session=bool(_session_of(request))):
+                                              by_agent=bool(agent_id), session=bool(session_id)):
                 why = (f"its verdict {verdict_id}'s totals passed {currency} limits v{in_force[0]}, in force then: "
                        f"{'; '.join(over)}")
             if why:

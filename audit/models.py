@@ -148,6 +148,10 @@ class EvidencePack(models.Model):
     exception_count = models.PositiveIntegerField(null=True, blank=True)
     error = models.TextField(blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # The worker building it: its claim (a token) and its last sign of life, renewed at every step. A
+    # lease, not a database lock: behind PgBouncer in transaction mode no lock outlives a statement.
+    builder = models.CharField(max_length=40, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-requested_at"]

@@ -244,7 +244,7 @@ def run_backtest(*, run_id: str) -> str:
     return run.status if run else "gone"
 
 
-@shared_task(ignore_result=True)
+@shared_task(ignore_result=True, acks_late=True)  # a worker that dies mid-build: the task comes back
 def build_evidence_pack(pack_id: str) -> None:
     """An auditor's evidence pack, asked for in the admin (refundops.services.evidence_packs)."""
     from refundops.services import evidence_packs

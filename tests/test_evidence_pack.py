@@ -24,6 +24,7 @@ from audit.models import AuditEntry, Verdict
 from processors import sandbox
 from processors.models import InboundEvent
 from refundops.models import Agent, AgentKey, GatewayAttempt, HoldRules, Merchant, Refund, RefundLimits
+from refundops.models.merchants import DEFAULT_MERCHANT_ID
 from refundops.services import payouts
 from tests.conftest import make_agent_key, make_limits, make_payment, make_rules, make_staff, post
 
@@ -310,3 +311,90 @@ def test_payment_links_sent_on_a_gateway_are_gateway_writes_that_need_a_verdict_
     with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
         listed = pack.read("controls/gateway_writes.csv").decode()
     assert f"{sent.pk}," in listed and ",payment_link," in listed
+
+
+def test_no_secret_of_the_platform_is_in_the_pack(tmp_path, signing):
+    """Agent keys (raw and digest), a person's password hash, a TOTP key, a merchant endpoint's
+    webhook secret and the signing key itself: none of them in any file of the pack."""
+    from django.contrib.auth.models import User
+    from django_otp.plugins.otp_totp.models import TOTPDevice
+    from refundops.models import MerchantEndpoint
+    from refundops.services.agents import create_agent
+    make_limits(), make_rules()
+    person = User.objects.create_user("finance-1", password="a-long-password-1", is_staff=True)
+    device = TOTPDevice.objects.create(user=person, name="phone", confirmed=True)
+    endpoint = MerchantEndpoint.objects.create(merchant=Merchant.objects.get(pk=DEFAULT_MERCHANT_ID),
+                                               url="https://shop.example/hooks")
+    agent, raw = create_agent(name="support bot", capabilities=["refunds.create"], actor=person)
+    digest = AgentKey.objects.get(agent=agent).key_hash
+    private = (tmp_path / "evidence.pem").read_bytes()
+    secrets = {"raw key": raw, "key digest": digest, "password hash": person.password.split("$")[-1],
+               "TOTP key": device.key, "webhook secret": endpoint.secret,
+               "signing key": private.splitlines()[1].decode()}
+    start, end = _period()
+    build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
+        files = {name: pack.read(name) for name in pack.namelist()}
+    assert "key.issued" in files["audit_chain_segment.csv"].decode()  # the audited paths are in it
+    leaked = [(what, name) for what, value in secrets.items() for name, body in files.items()
+              if value.encode() in body]
+    assert leaked == []
+
+
+def test_every_pack_csv_defuses_cells_a_spreadsheet_would_run(tmp_path, signing):
+    """An agent's name, a caller's idempotency key: text from outside, in the pack's CSVs."""
+    make_limits(), make_rules()
+    agent = Agent.objects.create(name="=HYPERLINK(\"http://x.example\",\"click\")", capabilities=["refunds.create"],
+                                 merchant_id=DEFAULT_MERCHANT_ID)
+    Refund.objects.create(payment=make_payment(), amount_minor=100, currency="USD", reason="duplicate",
+                          idempotency_key="+cmd|' /C calc'!A0", agent=agent)
+    start, end = _period()
+    build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    with zipfile.ZipFile(tmp_path / "pack.zip") as pack:
+        cells = [cell for name in pack.namelist() if name.endswith(".csv")
+                 for row in csv.reader(io.StringIO(pack.read(name).decode())) for cell in row]
+    assert "'=HYPERLINK(\"http://x.example\",\"click\")" in cells and "'+cmd|' /C calc'!A0" in cells
+    assert not [cell for cell in cells if cell[:1] in ("=", "+", "@", "\t", "\r")
+                or (cell[:1] == "-" and not cell.lstrip("-").replace(".", "").isdigit())]
+
+
+def test_a_resubmitted_refund_is_rechecked_on_the_verdict_that_sent_it_again(tmp_path, signing):
+    """A failed agent refund a person resubmits is paid on the resubmission's verdict (the refund keeps
+    pointing at its first). That verdict names no agent (a person asked) and no session, though the
+    policy held it to the agent's bounds: on main the pack re-checked only the first verdict and its
+    over-the-limit resubmission was no exception."""
+    make_limits(agent_daily_amount_minor=1_000), make_rules()
+    agent, _ = make_agent_key("refunds.create")
+    refund = _paid_on_a_verdict_of(timezone.now(), currency="USD",
+                                   totals={"agent_day_minor": 0}, amount=500)
+    Refund.objects.filter(pk=refund.pk).update(agent=agent.agent, agent_session_id="chat-9")
+    Verdict.objects.filter(pk=refund.verdict_id).update(agent_id=agent.agent_id)
+    Verdict.objects.create(operation="refund.resubmit", outcome="denied", refund_id=refund.pk, currency="USD",
+                           totals={"agent_day_minor": 0}, staff_username="finance-1")  # refused: not the payer
+    again = Verdict.objects.create(operation="refund.resubmit", outcome="approved", refund_id=refund.pk,
+                                   currency="USD", totals={"agent_day_minor": 800}, staff_username="finance-1",
+                                   request={"refund_id": refund.pk, "note": "card reissued"})
+    start, end = _period()
+    result = build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    paid = next(c for c in result.controls if c.slug == "paid_refunds")
+    assert [row_id for row_id, _ in paid.exceptions] == [refund.pk]
+    assert f"its verdict {again.pk}'s totals passed USD limits v1" in paid.exceptions[0][1]
+    assert "agent_daily_amount_minor 1300 > 1000" in paid.exceptions[0][1]
+
+
+def test_a_verdict_at_the_very_moment_limits_changed_is_judged_by_the_new_version_and_one_before_any_by_none(
+        tmp_path, signing):
+    """A version is in force from its created_at, that instant included: a change of the limits takes
+    the currency's lock before its row is written, so a decision made on the old version was written
+    before it (refundops.locks.lock_currency). A verdict from before any limits: an exception, named."""
+    moment = timezone.now() - timedelta(minutes=10)
+    for bound, at in ((10**9, moment - timedelta(minutes=5)), (1_000, moment)):
+        RefundLimits.objects.filter(pk=make_limits(global_daily_amount_minor=bound).pk).update(created_at=at)
+    make_rules()
+    at_the_change = _paid_on_a_verdict_of(moment, currency="USD", totals={"global_day_minor": 900}, amount=500)
+    before_any = _paid_on_a_verdict_of(moment - timedelta(minutes=6), currency="USD", totals={}, amount=500)
+    start, end = _period()
+    result = build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    paid = dict(next(c for c in result.controls if c.slug == "paid_refunds").exceptions)
+    assert "limits v2, in force then: global_daily_amount_minor 1400 > 1000" in paid[at_the_change.pk]
+    assert paid[before_any.pk].startswith("no USD limits were in force")

@@ -12,6 +12,7 @@ from django.core.exceptions import PermissionDenied
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
+from django.views.decorators.http import require_GET
 
 from audit.models import EvidencePack
 from refundops.errors import ApiError
@@ -62,7 +63,9 @@ class EvidencePackAdmin(admin.ModelAdmin):
         return [
             path("", view(self.changelist_view), name="audit_evidencepack_changelist"),
             path("<path:object_id>/progress/", view(self.progress_view), name="audit_evidencepack_progress"),
-            path("<path:object_id>/download/", view(self.download_view), name="audit_evidencepack_download"),
+            # GET only: a HEAD would be audited as a download that sent nothing.
+            path("<path:object_id>/download/", view(require_GET(self.download_view)),
+                 name="audit_evidencepack_download"),
             *super().get_urls()[1:],  # a pack's own page and history, read-only; the list is ours
         ]
 
@@ -84,7 +87,7 @@ class EvidencePackAdmin(admin.ModelAdmin):
             else:
                 messages.success(request, f"Building {pack.pk} for {pack.first_day} to {pack.last_day}.")
                 return HttpResponseRedirect(reverse("admin:audit_evidencepack_changelist"))
-        packs = list(EvidencePack.objects.order_by("-requested_at")[:20])
+        packs = [evidence_packs.abandoned(pack) for pack in EvidencePack.objects.order_by("-requested_at")[:20]]
         context = {**self.admin_site.each_context(request), "opts": self.opts, "title": "Evidence packs",
                    "form": form, "rows": [(pack, progress_of(pack)) for pack in packs],
                    "fingerprint": evidence_packs.signing_key_fingerprint()}
@@ -96,7 +99,7 @@ class EvidencePackAdmin(admin.ModelAdmin):
         pack = EvidencePack.objects.filter(pk=unquote(object_id)).first()
         if pack is None:
             raise Http404
-        return JsonResponse(progress_of(pack))
+        return JsonResponse(progress_of(evidence_packs.abandoned(pack)))
 
     def download_view(self, request: HttpRequest, object_id: str) -> FileResponse:
         self._allowed(request)

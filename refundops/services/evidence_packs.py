@@ -10,14 +10,17 @@ fingerprint, which the auditor compares with the public key they keep.
 from __future__ import annotations
 
 import hashlib
-from datetime import UTC, date, datetime, time, timedelta
+import os
+import uuid
+from datetime import date, timedelta
 from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
-from audit.evidence import CONTROLS, build_pack, load_signing_key, public_pem
+from audit.evidence import CONTROLS, build_pack, load_signing_key, period_of_days, public_pem
 from audit.models import EvidencePack
 from audit.services import record_audit
 from refundops import outbox
@@ -47,6 +50,10 @@ def request_evidence_pack(*, username: str, first_day: date, last_day: date, mer
         raise ApiError("VALIDATION_ERROR", "The last day is before the first.")
     if (last_day - first_day).days >= LONGEST_PERIOD_DAYS:
         raise ApiError("VALIDATION_ERROR", f"A pack covers at most {LONGEST_PERIOD_DAYS} days.")
+    try:
+        period_of_days(first_day, last_day)
+    except ValueError as no_end:
+        raise ApiError("VALIDATION_ERROR", f"{no_end}.") from None
     if merchant_id and not Merchant.objects.filter(pk=merchant_id).exists():
         raise ApiError("VALIDATION_ERROR", f"No merchant {merchant_id!r}.")
     if not settings.EVIDENCE_SIGNING_KEY:
@@ -61,40 +68,82 @@ def request_evidence_pack(*, username: str, first_day: date, last_day: date, mer
     return pack
 
 
+# A builder silent this long died (a step is one control's rows: 70 s for a quarter at 200,000 refunds,
+# docs/PERFORMANCE.md); its pack shows failed and the task, delivered again, may take it over.
+LEASE = timedelta(minutes=30)
+ABANDONED = "The worker building this pack stopped before it finished; ask for the pack again."
+
+
+class _LostClaim(Exception):
+    """Another worker took the pack over (this one was silent past the lease): leave it to that one."""
+
+
+def _stale() -> Q:
+    return Q(heartbeat_at__isnull=True) | Q(heartbeat_at__lt=timezone.now() - LEASE)
+
+
+def abandoned(pack: EvidencePack) -> EvidencePack:
+    """``pack``, marked failed if it reads 'building' while its builder has been silent past the lease."""
+    if pack.status == EvidencePack.Status.BUILDING and EvidencePack.objects.filter(
+            _stale(), pk=pack.pk, status=EvidencePack.Status.BUILDING).update(
+            status=EvidencePack.Status.FAILED, error=ABANDONED, finished_at=timezone.now()):
+        pack.refresh_from_db()
+    return pack
+
+
 def build_requested_pack(*, pack_id: str) -> EvidencePack:
     """Build a requested pack, writing each step's progress on its row (the page polls it). A second
-    run of the task (at-least-once delivery) finds the pack done and does nothing."""
-    pack = EvidencePack.objects.get(pk=pack_id)
-    if pack.status == EvidencePack.Status.DONE:
-        return pack
-    EvidencePack.objects.filter(pk=pack.pk).update(status=EvidencePack.Status.BUILDING, steps_done=0, error="")
+    run of the task (at-least-once delivery) finds the pack done, or claimed by a worker still alive,
+    and does nothing; one whose builder died (or was marked so) it builds."""
+    token = uuid.uuid4().hex
+    claimable = (Q(status=EvidencePack.Status.QUEUED) | Q(_stale(), status=EvidencePack.Status.BUILDING)
+                 | Q(status=EvidencePack.Status.FAILED, error=ABANDONED))
+    if not EvidencePack.objects.filter(claimable, pk=pack_id).update(
+            status=EvidencePack.Status.BUILDING, builder=token, heartbeat_at=timezone.now(), steps_done=0, error=""):
+        return EvidencePack.objects.get(pk=pack_id)
+    try:
+        return _build(EvidencePack.objects.get(pk=pack_id), token)
+    except _LostClaim:
+        return EvidencePack.objects.get(pk=pack_id)
+
+
+def _build(pack: EvidencePack, token: str) -> EvidencePack:
+    mine = EvidencePack.objects.filter(pk=pack.pk, builder=token)
     done = {"steps": 0}
 
     def progress(step: str) -> None:
-        EvidencePack.objects.filter(pk=pack.pk).update(step=step[:100], steps_done=done["steps"])
+        if not mine.update(step=step[:100], steps_done=done["steps"], heartbeat_at=timezone.now()):
+            raise _LostClaim(pack.pk)
         done["steps"] += 1
 
     out = pack_path(pack)
     out.parent.mkdir(parents=True, exist_ok=True)
-    begins = datetime.combine(pack.first_day, time.min, UTC)
-    ends = datetime.combine(pack.last_day + timedelta(days=1), time.min, UTC)
+    partial = out.with_name(f"{out.name}.{token}.part")  # the download's path holds only a whole pack
+    period = period_of_days(pack.first_day, pack.last_day)
     try:
-        result = build_pack(start=begins, end=ends, out=out, signing_key=load_signing_key(settings.EVIDENCE_SIGNING_KEY),
+        result = build_pack(start=period.start, end=period.end, out=partial,
+                            signing_key=load_signing_key(settings.EVIDENCE_SIGNING_KEY),
                             merchant_id=pack.merchant_id or None, progress=progress)
-    except Exception as exc:  # the page says what went wrong; the worker's log has the trace
-        EvidencePack.objects.filter(pk=pack.pk).update(status=EvidencePack.Status.FAILED, error=str(exc)[:2000],
-                                                       finished_at=timezone.now())
+        with transaction.atomic():
+            # Only the claim's holder finishes: the row locked, its file moved in, then marked done.
+            if not mine.select_for_update().exists():
+                raise _LostClaim(pack.pk)
+            os.replace(partial, out)
+            mine.update(status=EvidencePack.Status.DONE, steps_done=STEPS, step="", size_bytes=out.stat().st_size,
+                        manifest_sha256=result.manifest_sha256, exception_count=result.exception_count,
+                        finished_at=timezone.now())
+            record_audit(actor="system:evidence_pack", action="evidence_pack.built", subject_type="evidence_pack",
+                         subject_id=pack.pk, data={"requested_by": pack.requested_by, "from": str(pack.first_day),
+                                                   "to": str(pack.last_day), "merchant": pack.merchant_id or None,
+                                                   "exceptions": result.exception_count,
+                                                   "manifest_sha256": result.manifest_sha256})
+    except _LostClaim:
+        partial.unlink(missing_ok=True)
         raise
-    with transaction.atomic():
-        EvidencePack.objects.filter(pk=pack.pk).update(
-            status=EvidencePack.Status.DONE, steps_done=STEPS, step="", size_bytes=out.stat().st_size,
-            manifest_sha256=result.manifest_sha256, exception_count=result.exception_count,
-            finished_at=timezone.now())
-        record_audit(actor="system:evidence_pack", action="evidence_pack.built", subject_type="evidence_pack",
-                     subject_id=pack.pk, data={"requested_by": pack.requested_by, "from": str(pack.first_day),
-                                               "to": str(pack.last_day), "merchant": pack.merchant_id or None,
-                                               "exceptions": result.exception_count,
-                                               "manifest_sha256": result.manifest_sha256})
+    except Exception as exc:  # the page says what went wrong; the worker's log has the trace
+        partial.unlink(missing_ok=True)
+        mine.update(status=EvidencePack.Status.FAILED, error=str(exc)[:2000], finished_at=timezone.now())
+        raise
     return EvidencePack.objects.get(pk=pack.pk)
 
 

@@ -3,13 +3,13 @@ evidence pack for a period (audit/evidence.py); exit 1 when a control shows exce
 
 from __future__ import annotations
 
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import date
 from pathlib import Path
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from audit.evidence import build_pack, load_signing_key, new_signing_key
+from audit.evidence import build_pack, load_signing_key, new_signing_key, period_of_days
 from audit.services import record_audit
 
 
@@ -40,6 +40,10 @@ class Command(BaseCommand):
         first, last = _day(start), _day(end)
         if last < first:
             raise CommandError(f"--to {end} is before --from {start}")
+        try:
+            period = period_of_days(first, last)
+        except ValueError as no_end:
+            raise CommandError(f"--to {no_end}") from None
         if merchant:
             from refundops.models import Merchant
             if not Merchant.objects.filter(pk=merchant).exists():
@@ -59,9 +63,7 @@ class Command(BaseCommand):
             key = load_signing_key(signing_key)
         except (OSError, ValueError) as exc:
             raise CommandError(f"the signing key {signing_key}: {exc}") from None
-        begins = datetime.combine(first, time.min, UTC)
-        ends = datetime.combine(last + timedelta(days=1), time.min, UTC)
-        result = build_pack(start=begins, end=ends, out=out, signing_key=key, merchant_id=merchant,
+        result = build_pack(start=period.start, end=period.end, out=out, signing_key=key, merchant_id=merchant,
                             progress=lambda step: self.stderr.write(f"… {step}"))
         record_audit(actor="system:evidence_pack", action="evidence_pack.built", subject_type="evidence_pack",
                      subject_id=f"{first}..{last}"[:60],
