@@ -361,3 +361,34 @@ def test_a_run_reads_books_and_known_refunds_per_chunk_and_keeps_only_its_findin
     assert len(chunks) == 3 and len(agreeing) == 6
     # The payments whose books plainly agree take no lock; the one that differs is compared under it.
     assert sum("FOR UPDATE" in q and 'FROM "refundops_payment"' in q for q in sql) == 1
+
+
+def test_a_refund_failing_after_its_chunk_books_were_read_is_not_raised_as_paid(books: Books, settings) -> None:
+    """Review of issue 31: a chunk's books are all read before the first of its payments is
+    compared, so a book may be minutes old when its payment's turn comes. A refund pending at the
+    gateway when the book was read, whose failure its webhook recorded before the comparison, was
+    raised as paid-not-settled on the stale book's word: a false difference raised to a person."""
+    settings.RECONCILE_GRACE_SECONDS = 600
+    first = books.payment(10_000)
+    settled_refund(books, first, 1_000)  # plainly agrees: compared (no lock) before the next one
+    second = books.payment(10_000)
+    Payment.objects.filter(pk=second.pk).update(created_at=first.created_at + timedelta(seconds=1))
+    refund = our_refund(second, 2_000, RefundState.APPROVED)
+    gateway_id = books.refund(second, 2_000, ours=refund)
+    books.fail(gateway_id, "pending")
+    Refund.objects.filter(pk=refund.pk).update(status=RefundState.SUBMITTED, processor_refund_id=gateway_id,
+                                               updated_at=timezone.now() - timedelta(hours=1))
+
+    def webhook_meanwhile(check: reconciliation.PaymentCheck) -> None:
+        if check.payment_id == first.pk:  # the refund fails at the gateway; its webhook records it here
+            books.fail(gateway_id, "failed")
+            Refund.objects.filter(pk=refund.pk).update(status=RefundState.FAILED, updated_at=timezone.now())
+
+    run = reconciliation.reconcile(chunk_size=2, progress=webhook_meanwhile)
+
+    assert not LedgerDiscrepancy.objects.exists(), list(LedgerDiscrepancy.objects.values("kind", "detail"))
+    assert (run.checked, [c.outcome for c in run.checks]) == (2, [])
+    # Once the grace has passed, a refund failed here but paid there is still raised.
+    Refund.objects.filter(pk=refund.pk).update(updated_at=timezone.now() - timedelta(hours=1))
+    books.fail(gateway_id, "pending")
+    assert [d.kind for c in reconciliation.reconcile().checks for d in c.discrepancies] == [Kind.PAID_NOT_SETTLED]

@@ -393,7 +393,10 @@ def _compare(payment: Payment, book: PaymentBook | None, *, read_at: datetime) -
                        theirs=gateway_side,
                        detail=f"{mine.pk} is settled here but {theirs.status} at {payment.processor}: the "
                               f"customer did not get {mine.money}.")
-        elif theirs.status in MONEY_MOVED:  # failed, canceled, denied, … here: counted as not paid
+        elif theirs.status in MONEY_MOVED and settled_long_enough(mine):
+            # failed, canceled, denied, … here: counted as not paid. Not one that moved since just
+            # before the book was read (a chunk's books are read before its first comparison): its
+            # webhook may have brought a later word than the book's, as a refund pending there failing.
             raise_(Kind.PAID_NOT_SETTLED, theirs.processor_refund_id, refund=mine, ours=ours_side, theirs=gateway_side,
                    detail=f"{payment.processor} {'paid' if theirs.status == 'succeeded' else 'is paying'} "
                           f"{theirs.amount} for {mine.pk}, which is {mine.status} here: our ledger counts "
