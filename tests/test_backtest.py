@@ -224,3 +224,32 @@ def test_a_backtest_run_that_fails_says_so_instead_of_polling_for_ever(history, 
     run.refresh_from_db()
     assert (run.status, run.error) == ("failed", "ZeroDivisionError: division by zero") and run.finished_at
     assert service.complete_backtest_run(run_id=run.pk).status == "failed"  # a redelivered task does nothing
+
+
+def test_a_backtest_run_whose_worker_died_is_marked_failed_not_polled_for_ever(history, finance, client,
+                                                                             monkeypatch):
+    """Review of issue 31: a worker killed mid-replay (OOM, a deploy's SIGKILL) leaves no
+    exception to catch: its run stayed ``running`` and the page polled it for ever (the task is
+    acknowledged on receipt, and a redelivered copy found the run claimed and did nothing). A run
+    whose replay has not reported for ``BACKTEST_STALL_SECONDS`` is marked failed when polled."""
+    from refundops.models import BacktestRun
+    from refundops.services import backtest as service
+
+    draft = create_draft(kind="rules", changes={}, person=finance)
+    run = BacktestRun.objects.create(draft=draft, days=7)
+
+    def killed(**kw):
+        raise SystemExit(-9)  # what a dying worker leaves: no Exception, no finally of ours that writes
+
+    monkeypatch.setattr(service, "run_backtest", killed)
+    with pytest.raises(SystemExit):
+        service.complete_backtest_run(run_id=run.pk)
+    client.force_login(finance)
+    progress = reverse("admin:refundops_policydraft_backtest_progress", args=[quote(draft.pk), run.pk])
+    assert client.get(progress).json()["status"] == "running"  # within the window: it may be alive
+    monkeypatch.setattr(service, "BACKTEST_STALL_SECONDS", 0, raising=False)
+    polled = client.get(progress).json()
+    assert polled["status"] == "failed" and "stopped" in polled["error"], polled
+    page = reverse("admin:refundops_policydraft_change", args=[quote(draft.pk)])
+    shown = client.get(f"{page}?backtest={run.pk}").content.decode()
+    assert "The backtest failed: the worker stopped" in shown and "(function poll()" not in shown
