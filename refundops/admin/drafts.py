@@ -179,9 +179,10 @@ class PolicyDraftAdmin(MoneyAsMoneyAdmin, admin.ModelAdmin):
     # -- the backtest, on the draft's page ---------------------------------------------------------
 
     def backtest_view(self, request, object_id: str) -> HttpResponse:
-        """Hand the backtest to the worker and come back to the page, which polls its progress."""
+        """Hand the backtest to the worker and come back to the page, which polls its progress.
+        It writes a run and spends the worker's minutes: the right to change drafts, not to view."""
         draft = PolicyDraft.objects.filter(pk=unquote(object_id)).first()
-        if draft is None or not self.has_view_permission(request, draft):
+        if draft is None or not self.has_change_permission(request, draft):
             raise PermissionDenied
         try:
             days = max(1, min(int(request.POST.get("days", 7)), MAX_DAYS))
