@@ -166,17 +166,24 @@ def reconcile(*, gateway: str | None = None, since: datetime | None = None,
               progress: Callable[[PaymentCheck], None] | None = None, chunk_size: int = CHUNK) -> ReconcileRun:
     """Compare every payment (of one gateway, and with activity since a moment, if asked) with its
     gateway's books, ``chunk_size`` payments at a time: the chunk's refund ids known to us in one
-    query, its books in one read where the gateway can (``fetch_payment_books``), then each payment
-    under its lock as before. A gateway that cannot be read for one payment is counted, never the
+    query, its books in one read where the gateway can (``fetch_payment_books``); a payment whose
+    book plainly agrees is done, any other is read again and compared under its lock as before. A gateway that cannot be read for one payment is counted, never the
     end of the run."""
     run = ReconcileRun(started_at=timezone.now())
     for chunk in _chunks_to_check(gateway=gateway, since=since, size=chunk_size):
         read = _read_books(chunk)
         plain = _agreeing_plainly(chunk, read)
         for payment in chunk:
+            # What goes the locked way may change our ledger (record a refund made on the gateway,
+            # cancel ours to make room, record a final word): it reads its book again just before
+            # its lock, as one payment at a time did. The chunk's read may be a chunk's comparisons
+            # old (for a gateway without a bulk read, a call per payment before the first) and is
+            # good only for concluding "agrees", or "unreachable" (a gateway down is not asked twice).
+            pre_read = read[payment.pk]
             try:
                 check = (PaymentCheck(payment.pk, payment.processor) if payment.pk in plain
-                         else reconcile_payment(payment, read=read[payment.pk]))
+                         else reconcile_payment(payment, read=None if isinstance(pre_read[0], PaymentBook)
+                                                else pre_read))
             except Exception as exc:  # one payment's surprise must not hide every other payment's books
                 log.exception("reconcile: %s could not be compared", payment.pk)
                 check = PaymentCheck(payment.pk, payment.processor, "unreachable",
