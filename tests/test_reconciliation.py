@@ -418,3 +418,22 @@ def test_a_refund_made_on_the_gateway_that_failed_after_its_chunk_books_were_rea
     assert not Refund.objects.filter(payment=second).exists(), list(Refund.objects.filter(payment=second).values(
         "status", "processor_refund_id"))
     assert (run.checked, run.agreed, LedgerDiscrepancy.objects.count()) == (2, 2, 0)
+
+
+def test_each_chunk_of_payments_starts_where_the_last_ended_in_the_index_not_at_its_start() -> None:
+    """Review of issue 31: the keyset's ``created_at > t OR (created_at = t AND id > i)`` is no
+    index bound to PostgreSQL: each chunk walked ``payment_created_order`` from the first payment
+    and filtered out every one already compared (quadratic: about 1.8 billion index entries read
+    over 850,000 payments in chunks of 200). The index condition must start the scan at ``t``."""
+    for i in range(5):
+        make_payment(amount=1_000 + i)
+    with CaptureQueriesContext(connection) as queries:
+        reconciliation.reconcile(chunk_size=2)
+    later = [q["sql"] for q in queries if q["sql"].startswith('SELECT "refundops_payment"')
+             and q["sql"].endswith("LIMIT 2") and "WHERE" in q["sql"]]
+    assert len(later) == 2  # the chunks after the first
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a plan as on a large table, not a 5-row one
+        cursor.execute("EXPLAIN " + later[0])
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "payment_created_order" in plan and "Index Cond: (created_at >=" in plan, plan

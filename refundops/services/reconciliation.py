@@ -210,8 +210,10 @@ def _chunks_to_check(*, gateway: str | None, since: datetime | None, size: int) 
         if len(chunk) < size:
             return
         last = chunk[-1]
-        chunk = list(payments.filter(Q(created_at__gt=last.created_at) | Q(created_at=last.created_at,
-                                                                            pk__gt=last.pk))[:size])
+        # created_at >= t is what PostgreSQL takes as the index's lower bound; the OR alone is only a
+        # filter, and each chunk would walk the index from the first payment (quadratic).
+        chunk = list(payments.filter(created_at__gte=last.created_at).filter(
+            Q(created_at__gt=last.created_at) | Q(created_at=last.created_at, pk__gt=last.pk))[:size])
 
 
 Read = tuple[PaymentBook | Exception | None, datetime]  # the book (None: no such payment) or why not, and when
