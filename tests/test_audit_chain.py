@@ -517,3 +517,59 @@ def test_the_sealer_task_covers_verdicts_and_a_decision_sends_no_extra_statement
     assert Verdict.objects.get(pk=verdict.pk).chained_by == entry.uid
     seal_audit_log()  # nothing new: no empty entry
     assert AuditEntry.objects.filter(action="verdicts.chained").count() == 1
+
+
+def _swap(entries: list[AuditEntry], a: int, b: int) -> None:
+    """Swap entries #a and #b = #a + 1, links and all (as test_reordered_entries_are_caught)."""
+    first, second, before, after = entries[a - 1], entries[b - 1], entries[a - 2], entries[b]
+    sql("UPDATE audit_auditentry SET seq = -seq WHERE id IN (%s, %s)", [first.pk, second.pk])
+    sql("UPDATE audit_auditentry SET seq = %s, prev_hash = %s, hash = %s WHERE id = %s",
+        [b, second.hash, after.prev_hash, first.pk])
+    sql("UPDATE audit_auditentry SET seq = %s, prev_hash = %s, hash = %s WHERE id = %s",
+        [a, before.hash, first.hash, second.pk])
+
+
+@pytest.mark.parametrize(("tamper", "named"), [
+    (("edit", 1), r"#1 .*entry #1 was altered"), (("edit", 4), r"#4 .*entry #4 was altered"),
+    (("edit", 5), r"#5 .*entry #5 was altered"), (("edit", 8), r"#8 .*entry #8 was altered"),
+    (("edit", 9), r"#9 .*entry #9 was altered"), (("edit", 10), r"#10 .*entry #10 was altered"),
+    (("delete", 1), r"entry #2 follows #0"), (("delete", 4), r"entry #5 follows #3"),
+    (("delete", 5), r"entry #6 follows #4"), (("delete", 8), r"entry #9 follows #7"),
+    (("delete", 10), r"entries #10 to #10|entry #10 is missing"),
+    (("swap", 4), r"audit entry #4 .*does not verify"), (("swap", 8), r"audit entry #8 .*does not verify"),
+])
+def test_tampering_at_and_across_a_chunks_edge_is_caught(tamper, named):
+    """Review of issue 31: verify_audit now reads the chain in keyset chunks (here of 4: #1-#4,
+    #5-#8, #9-#10); an edit, a deletion or a swap at either edge of a chunk, and at the chain's
+    first and last entries, is named as it is within one chunk."""
+    entries = write_sealed(10)
+    kept = head()
+    how, seq = tamper
+    with as_table_owner():
+        if how == "edit":
+            sql("UPDATE audit_auditentry SET actor = 'user:mallory' WHERE seq = %s", [seq])
+        elif how == "delete":
+            sql("DELETE FROM audit_auditentry WHERE seq = %s", [seq])
+        else:
+            _swap(entries, seq, seq + 1)
+    with pytest.raises(CommandError, match=named):
+        verify("--chunk-size", "4", "--head", kept)
+
+
+@pytest.mark.parametrize("at", [1, 4, 5, 8])
+def test_an_edited_recorded_row_of_an_entry_at_a_chunks_edge_is_caught(at):
+    """Review of issue 31: the rows a chunk's entries record are read a chunk at a time; the
+    entry recording one at either edge of a chunk names it."""
+    write(at - 1)
+    key, _ = make_agent_key()
+    revoke_key(prefix=key.prefix, actor="user:root")
+    write(10, start=at)
+    chain.seal_pending()
+    entry = AuditEntry.objects.get(action="key.revoked")
+    assert entry.seq == at and entry.records  # the entry that records the key's history row, at the edge
+    verify("--chunk-size", "4")
+    history = key.history.latest()
+    type(history).objects.filter(pk=history.pk).update(revoked_at=None)
+    with pytest.raises(CommandError, match=rf"audit entry #{entry.seq} .*the historical agent key {history.pk} "
+                                           rf"it records was altered"):
+        verify("--chunk-size", "4")

@@ -224,3 +224,64 @@ def test_a_backtest_run_that_fails_says_so_instead_of_polling_for_ever(history, 
     run.refresh_from_db()
     assert (run.status, run.error) == ("failed", "ZeroDivisionError: division by zero") and run.finished_at
     assert service.complete_backtest_run(run_id=run.pk).status == "failed"  # a redelivered task does nothing
+
+
+def test_a_backtest_run_whose_worker_died_is_marked_failed_not_polled_for_ever(history, finance, client,
+                                                                             monkeypatch):
+    """Review of issue 31: a worker killed mid-replay (OOM, a deploy's SIGKILL) leaves no
+    exception to catch: its run stayed ``running`` and the page polled it for ever (the task is
+    acknowledged on receipt, and a redelivered copy found the run claimed and did nothing). A run
+    whose replay has not reported for ``BACKTEST_STALL_SECONDS`` is marked failed when polled."""
+    from refundops.models import BacktestRun
+    from refundops.services import backtest as service
+
+    draft = create_draft(kind="rules", changes={}, person=finance)
+    run = BacktestRun.objects.create(draft=draft, days=7)
+
+    def killed(**kw):
+        raise SystemExit(-9)  # what a dying worker leaves: no Exception, no finally of ours that writes
+
+    monkeypatch.setattr(service, "run_backtest", killed)
+    with pytest.raises(SystemExit):
+        service.complete_backtest_run(run_id=run.pk)
+    client.force_login(finance)
+    progress = reverse("admin:refundops_policydraft_backtest_progress", args=[quote(draft.pk), run.pk])
+    assert client.get(progress).json()["status"] == "running"  # within the window: it may be alive
+    monkeypatch.setattr(service, "BACKTEST_STALL_SECONDS", 0, raising=False)
+    polled = client.get(progress).json()
+    assert polled["status"] == "failed" and "stopped" in polled["error"], polled
+    page = reverse("admin:refundops_policydraft_change", args=[quote(draft.pk)])
+    shown = client.get(f"{page}?backtest={run.pk}").content.decode()
+    assert "The backtest failed: the worker stopped" in shown and "(function poll()" not in shown
+
+
+def test_a_role_that_changes_nothing_cannot_start_a_backtest_and_another_drafts_run_is_not_shown(
+        history, finance, client, django_capture_on_commit_callbacks):
+    """Review of issue 31: starting a backtest now writes a row and queues minutes of the worker's
+    time, yet it asked only for the view right, which the auditor ("reads everything, changes
+    nothing") has: an auditor's forged POST queued as many year-long replays as it liked. Starting
+    one takes the right to change drafts (finance, fraud); reading a run stays a view."""
+    from refundops.models import BacktestRun
+
+    draft = create_draft(kind="rules", changes={}, person=finance)
+    other = create_draft(kind="rules", changes={"hold_flagged": False}, person=finance)
+    auditor = User.objects.create_user("auditor", password="pw")
+    call_command("grant_role", "auditor", "auditor", stdout=StringIO())
+    client.force_login(auditor)
+    start = reverse("admin:refundops_policydraft_backtest", args=[quote(draft.pk)])
+    with django_capture_on_commit_callbacks(execute=True):
+        refused = client.post(start, {"days": "366"})
+    assert refused.status_code == 403 and not BacktestRun.objects.exists()
+
+    run = BacktestRun.objects.create(draft=other, days=7)
+    progress = reverse("admin:refundops_policydraft_backtest_progress", args=[quote(other.pk), run.pk])
+    assert client.get(progress).json()["id"] == run.pk  # the auditor reads runs
+    elsewhere = reverse("admin:refundops_policydraft_backtest_progress", args=[quote(draft.pk), run.pk])
+    assert client.get(elsewhere).status_code == 403  # another draft's run, by its id
+    page = reverse("admin:refundops_policydraft_change", args=[quote(draft.pk)])
+    shown = client.get(f"{page}?backtest={run.pk}").content.decode()
+    assert run.pk not in shown and "Run the backtest" not in shown  # no form the auditor cannot use
+    client.force_login(finance)
+    with django_capture_on_commit_callbacks(execute=False):
+        assert client.post(start, {"days": "7"}).status_code == 302
+    assert BacktestRun.objects.filter(draft=draft).count() == 1

@@ -353,11 +353,87 @@ def test_a_run_reads_books_and_known_refunds_per_chunk_and_keeps_only_its_findin
     assert (run.checked, run.agreed, [c.payment_id for c in run.checks]) == (7, 6, [broken.pk])
     assert heard == ["agree"] * 6 + ["disagree"]
     sql = [q["sql"] for q in queries]
-    assert sum('FROM "processors_sandboxcharge"' in q for q in sql) == 3  # a chunk each, not a payment each
-    assert sum('FROM "processors_sandboxrefund"' in q for q in sql) == 3
+    # A chunk each, not a payment each; and the one that differs read again before its lock.
+    assert sum('FROM "processors_sandboxcharge"' in q for q in sql) == 3 + 1
+    assert sum('FROM "processors_sandboxrefund"' in q for q in sql) == 3 + 1
     ours = [q for q in sql if '"refundops_refund"."payment_id" IN' in q]
-    assert len(ours) == 6  # a chunk's: the ids known to us before its books, our refunds after them
+    assert len(ours) == 6 + 1  # a chunk's: the ids known to us before its books, our refunds after them
     chunks = [q for q in sql if q.startswith('SELECT "refundops_payment"') and q.endswith("LIMIT 3")]
     assert len(chunks) == 3 and len(agreeing) == 6
     # The payments whose books plainly agree take no lock; the one that differs is compared under it.
     assert sum("FOR UPDATE OF p" in q and "FROM refundops_payment p" in q for q in sql) == 1  # locks.lock_payment
+
+
+def test_a_refund_failing_after_its_chunk_books_were_read_is_not_raised_as_paid(books: Books, settings) -> None:
+    """Review of issue 31: a chunk's books are all read before the first of its payments is
+    compared, so a book may be minutes old when its payment's turn comes. A refund pending at the
+    gateway when the book was read, whose failure its webhook recorded before the comparison, was
+    raised as paid-not-settled on the stale book's word: a false difference raised to a person."""
+    settings.RECONCILE_GRACE_SECONDS = 600
+    first = books.payment(10_000)
+    settled_refund(books, first, 1_000)  # plainly agrees: compared (no lock) before the next one
+    second = books.payment(10_000)
+    Payment.objects.filter(pk=second.pk).update(created_at=first.created_at + timedelta(seconds=1))
+    refund = our_refund(second, 2_000, RefundState.APPROVED)
+    gateway_id = books.refund(second, 2_000, ours=refund)
+    books.fail(gateway_id, "pending")
+    Refund.objects.filter(pk=refund.pk).update(status=RefundState.SUBMITTED, processor_refund_id=gateway_id,
+                                               updated_at=timezone.now() - timedelta(hours=1))
+
+    def webhook_meanwhile(check: reconciliation.PaymentCheck) -> None:
+        if check.payment_id == first.pk:  # the refund fails at the gateway; its webhook records it here
+            books.fail(gateway_id, "failed")
+            Refund.objects.filter(pk=refund.pk).update(status=RefundState.FAILED, updated_at=timezone.now())
+
+    run = reconciliation.reconcile(chunk_size=2, progress=webhook_meanwhile)
+
+    assert not LedgerDiscrepancy.objects.exists(), list(LedgerDiscrepancy.objects.values("kind", "detail"))
+    assert (run.checked, [c.outcome for c in run.checks]) == (2, [])
+    # Once the grace has passed, a refund failed here but paid there is still raised.
+    Refund.objects.filter(pk=refund.pk).update(updated_at=timezone.now() - timedelta(hours=1))
+    books.fail(gateway_id, "pending")
+    assert [d.kind for c in reconciliation.reconcile().checks for d in c.discrepancies] == [Kind.PAID_NOT_SETTLED]
+
+
+def test_a_refund_made_on_the_gateway_that_failed_after_its_chunk_books_were_read_is_not_recorded(
+        books: Books) -> None:
+    """Review of issue 31: a chunk's books are read before its first comparison (for Stripe and
+    PayPal, one call each, 200 in a row: a minute before the first is compared). A refund made on
+    the gateway directly, pending when the book was read and failed since, was recorded from the
+    stale book as a refund of ours on its way: the ledger counted money the customer never got,
+    and could cancel our own waiting refunds to make room. What goes the locked way (anything
+    that may change our ledger) reads its book again just before the lock, as before chunks."""
+    first = books.payment(10_000)
+    settled_refund(books, first, 1_000)  # plainly agrees: compared (no lock) before the next one
+    second = books.payment(10_000)
+    Payment.objects.filter(pk=second.pk).update(created_at=first.created_at + timedelta(seconds=1))
+    made_there = books.refund(second, 3_000, status="pending")
+
+    def failed_meanwhile(check: reconciliation.PaymentCheck) -> None:
+        if check.payment_id == first.pk:
+            books.fail(made_there, "failed")
+
+    run = reconciliation.reconcile(chunk_size=2, progress=failed_meanwhile)
+
+    assert not Refund.objects.filter(payment=second).exists(), list(Refund.objects.filter(payment=second).values(
+        "status", "processor_refund_id"))
+    assert (run.checked, run.agreed, LedgerDiscrepancy.objects.count()) == (2, 2, 0)
+
+
+def test_each_chunk_of_payments_starts_where_the_last_ended_in_the_index_not_at_its_start() -> None:
+    """Review of issue 31: the keyset's ``created_at > t OR (created_at = t AND id > i)`` is no
+    index bound to PostgreSQL: each chunk walked ``payment_created_order`` from the first payment
+    and filtered out every one already compared (quadratic: about 1.8 billion index entries read
+    over 850,000 payments in chunks of 200). The index condition must start the scan at ``t``."""
+    for i in range(5):
+        make_payment(amount=1_000 + i)
+    with CaptureQueriesContext(connection) as queries:
+        reconciliation.reconcile(chunk_size=2)
+    later = [q["sql"] for q in queries if q["sql"].startswith('SELECT "refundops_payment"')
+             and q["sql"].endswith("LIMIT 2") and "WHERE" in q["sql"]]
+    assert len(later) == 2  # the chunks after the first
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # a plan as on a large table, not a 5-row one
+        cursor.execute("EXPLAIN " + later[0])
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "payment_created_order" in plan and "Index Cond: (created_at >=" in plan, plan

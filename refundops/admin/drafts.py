@@ -22,7 +22,7 @@ from audit.models import Verdict
 from processors.money import format_minor
 from refundops.models import BacktestRun, PolicyDraft
 from refundops.services import drafts
-from refundops.services.backtest import BACKTEST_CHANGES_KEPT, OUTCOMES, start_backtest
+from refundops.services.backtest import BACKTEST_CHANGES_KEPT, OUTCOMES, polled_backtest_run, start_backtest
 
 MAX_DAYS = 366
 CHANGES_SHOWN = BACKTEST_CHANGES_KEPT
@@ -179,9 +179,10 @@ class PolicyDraftAdmin(MoneyAsMoneyAdmin, admin.ModelAdmin):
     # -- the backtest, on the draft's page ---------------------------------------------------------
 
     def backtest_view(self, request, object_id: str) -> HttpResponse:
-        """Hand the backtest to the worker and come back to the page, which polls its progress."""
+        """Hand the backtest to the worker and come back to the page, which polls its progress.
+        It writes a run and spends the worker's minutes: the right to change drafts, not to view."""
         draft = PolicyDraft.objects.filter(pk=unquote(object_id)).first()
-        if draft is None or not self.has_view_permission(request, draft):
+        if draft is None or not self.has_change_permission(request, draft):
             raise PermissionDenied
         try:
             days = max(1, min(int(request.POST.get("days", 7)), MAX_DAYS))
@@ -195,6 +196,7 @@ class PolicyDraftAdmin(MoneyAsMoneyAdmin, admin.ModelAdmin):
         run = BacktestRun.objects.filter(pk=run_id, draft_id=unquote(object_id)).first()
         if run is None or not self.has_view_permission(request, run.draft):
             raise PermissionDenied
+        run = polled_backtest_run(run)
         return JsonResponse({"id": run.pk, "status": run.status, "replayed": run.replayed, "total": run.total,
                              "error": run.error})
 
@@ -204,6 +206,7 @@ class PolicyDraftAdmin(MoneyAsMoneyAdmin, admin.ModelAdmin):
         run_id = request.GET.get("backtest")
         run = BacktestRun.objects.filter(pk=run_id, draft=draft).first() if draft is not None and run_id else None
         if run is not None:
+            run = polled_backtest_run(run)
             extra.update(days=run.days, backtest_run=run,
                          backtest_html=backtest_html(run.result) if run.status == BacktestRun.Status.DONE else "")
         return super().change_view(request, object_id, form_url, extra)

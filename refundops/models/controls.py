@@ -171,6 +171,8 @@ class BacktestRun(models.Model):
     # Backtest.as_json(), its changes cut to the first ``BACKTEST_CHANGES_KEPT`` (``changed`` counts them all).
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True)
+    # When the worker last wrote progress: a running run silent for long has lost its worker.
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
     requested_by = models.CharField(max_length=150, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -23,6 +23,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from audit.models import Verdict
@@ -33,6 +34,9 @@ from refundops.policy import evaluate_refund, replay_input
 log = logging.getLogger(__name__)
 OUTCOMES = ("approved", "held", "denied")
 PROGRESS_EVERY = 5_000  # requests replayed between two progress reports
+# A running run that wrote no progress for this long lost its worker (a replay writes every
+# PROGRESS_EVERY requests, seconds apart; the count before it is one query).
+BACKTEST_STALL_SECONDS = 15 * 60
 BACKTEST_CHANGES_KEPT = 200  # the changes a run kept for the admin keeps (the command lists every one)
 
 
@@ -173,14 +177,15 @@ def start_backtest(*, draft: PolicyDraft, days: int, person) -> BacktestRun:
 def complete_backtest_run(*, run_id: str) -> BacktestRun | None:
     """The worker's half: count, replay with progress written to the run's row, keep the result."""
     claimed = BacktestRun.objects.filter(pk=run_id, status=BacktestRun.Status.QUEUED).update(
-        status=BacktestRun.Status.RUNNING)
+        status=BacktestRun.Status.RUNNING, heartbeat_at=timezone.now())
     run = BacktestRun.objects.select_related("draft").filter(pk=run_id).first()
     if not claimed or run is None:
         return run  # already run (a redelivered task) or gone
     runs = BacktestRun.objects.filter(pk=run_id)
     try:
-        runs.update(total=to_replay(draft=run.draft, days=run.days))
-        result = run_backtest(draft=run.draft, days=run.days, progress=lambda n: runs.update(replayed=n))
+        runs.update(total=to_replay(draft=run.draft, days=run.days), heartbeat_at=timezone.now())
+        result = run_backtest(draft=run.draft, days=run.days,
+                              progress=lambda n: runs.update(replayed=n, heartbeat_at=timezone.now()))
     except Exception as exc:  # the page says so instead of polling for ever
         log.exception("backtest %s failed", run_id)
         runs.update(status=BacktestRun.Status.FAILED, error=f"{type(exc).__name__}: {exc}", finished_at=timezone.now())
@@ -188,6 +193,21 @@ def complete_backtest_run(*, run_id: str) -> BacktestRun | None:
     kept = result.as_json()
     kept["changes"] = kept["changes"][:BACKTEST_CHANGES_KEPT]
     runs.update(status=BacktestRun.Status.DONE, replayed=result.requests, result=kept, finished_at=timezone.now())
+    run.refresh_from_db()
+    return run
+
+
+def polled_backtest_run(run: BacktestRun) -> BacktestRun:
+    """The run as the draft's page shows it: one still running whose worker has been silent for
+    ``BACKTEST_STALL_SECONDS`` is marked failed (a killed worker raises nothing we could catch), so
+    the page stops polling and the person can run it again."""
+    if run.status != BacktestRun.Status.RUNNING:
+        return run
+    silent_since = timezone.now() - timedelta(seconds=BACKTEST_STALL_SECONDS)
+    BacktestRun.objects.filter(Q(heartbeat_at__lte=silent_since) | Q(heartbeat_at__isnull=True),  # claimed
+                               pk=run.pk, status=BacktestRun.Status.RUNNING).update(  # before heartbeats were kept
+        status=BacktestRun.Status.FAILED, finished_at=timezone.now(),
+        error=f"the worker stopped: no progress for {BACKTEST_STALL_SECONDS // 60} minutes. Run it again.")
     run.refresh_from_db()
     return run
 

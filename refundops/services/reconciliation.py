@@ -166,17 +166,24 @@ def reconcile(*, gateway: str | None = None, since: datetime | None = None,
               progress: Callable[[PaymentCheck], None] | None = None, chunk_size: int = CHUNK) -> ReconcileRun:
     """Compare every payment (of one gateway, and with activity since a moment, if asked) with its
     gateway's books, ``chunk_size`` payments at a time: the chunk's refund ids known to us in one
-    query, its books in one read where the gateway can (``fetch_payment_books``), then each payment
-    under its lock as before. A gateway that cannot be read for one payment is counted, never the
+    query, its books in one read where the gateway can (``fetch_payment_books``); a payment whose
+    book plainly agrees is done, any other is read again and compared under its lock as before. A gateway that cannot be read for one payment is counted, never the
     end of the run."""
     run = ReconcileRun(started_at=timezone.now())
     for chunk in _chunks_to_check(gateway=gateway, since=since, size=chunk_size):
         read = _read_books(chunk)
         plain = _agreeing_plainly(chunk, read)
         for payment in chunk:
+            # What goes the locked way may change our ledger (record a refund made on the gateway,
+            # cancel ours to make room, record a final word): it reads its book again just before
+            # its lock, as one payment at a time did. The chunk's read may be a chunk's comparisons
+            # old (for a gateway without a bulk read, a call per payment before the first) and is
+            # good only for concluding "agrees", or "unreachable" (a gateway down is not asked twice).
+            pre_read = read[payment.pk]
             try:
                 check = (PaymentCheck(payment.pk, payment.processor) if payment.pk in plain
-                         else reconcile_payment(payment, read=read[payment.pk]))
+                         else reconcile_payment(payment, read=None if isinstance(pre_read[0], PaymentBook)
+                                                else pre_read))
             except Exception as exc:  # one payment's surprise must not hide every other payment's books
                 log.exception("reconcile: %s could not be compared", payment.pk)
                 check = PaymentCheck(payment.pk, payment.processor, "unreachable",
@@ -203,8 +210,10 @@ def _chunks_to_check(*, gateway: str | None, since: datetime | None, size: int) 
         if len(chunk) < size:
             return
         last = chunk[-1]
-        chunk = list(payments.filter(Q(created_at__gt=last.created_at) | Q(created_at=last.created_at,
-                                                                            pk__gt=last.pk))[:size])
+        # created_at >= t is what PostgreSQL takes as the index's lower bound; the OR alone is only a
+        # filter, and each chunk would walk the index from the first payment (quadratic).
+        chunk = list(payments.filter(created_at__gte=last.created_at).filter(
+            Q(created_at__gt=last.created_at) | Q(created_at=last.created_at, pk__gt=last.pk))[:size])
 
 
 Read = tuple[PaymentBook | Exception | None, datetime]  # the book (None: no such payment) or why not, and when
@@ -393,7 +402,10 @@ def _compare(payment: Payment, book: PaymentBook | None, *, read_at: datetime) -
                        theirs=gateway_side,
                        detail=f"{mine.pk} is settled here but {theirs.status} at {payment.processor}: the "
                               f"customer did not get {mine.money}.")
-        elif theirs.status in MONEY_MOVED:  # failed, canceled, denied, … here: counted as not paid
+        elif theirs.status in MONEY_MOVED and settled_long_enough(mine):
+            # failed, canceled, denied, … here: counted as not paid. Not one that moved since just
+            # before the book was read (a chunk's books are read before its first comparison): its
+            # webhook may have brought a later word than the book's, as a refund pending there failing.
             raise_(Kind.PAID_NOT_SETTLED, theirs.processor_refund_id, refund=mine, ours=ours_side, theirs=gateway_side,
                    detail=f"{payment.processor} {'paid' if theirs.status == 'succeeded' else 'is paying'} "
                           f"{theirs.amount} for {mine.pk}, which is {mine.status} here: our ledger counts "
