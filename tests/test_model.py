@@ -390,6 +390,23 @@ class MoneyAndControls(RuleBasedStateMachine):
                            payment_references=(chosen.processor_reference,), status=status, reason="fraudulent",
                            amount_minor=None, currency="", evidence_due_by=None)
 
+    # Enabled only while a refund's money is in doubt, so a dispute lands there about as often as the
+    # worker runs again: otherwise it rarely beats the worker's next run (findings 27.1 and 27.4).
+    @precondition(lambda self: self._in_doubt() is not None)
+    @rule(status=st.sampled_from(("open", "lost")))
+    def dispute_where_money_is_in_doubt(self, status: str) -> None:
+        self.dispute(payment=self._index(self._in_doubt()), status=status)
+
+    def _in_doubt(self) -> str | None:
+        """The payment of the first refund asked whose answer is lost or whose call is on the wire."""
+        if not hasattr(self, "payments"):
+            return None
+        open_ones = (GatewayAttempt.Outcome.UNKNOWN, GatewayAttempt.Outcome.LIVE)
+        doubt = set(GatewayAttempt.objects.filter(refund__payment__in=self.payments, outcome__in=open_ones)
+                    .values_list("refund_id", flat=True))
+        first = next((a for a in self.model.asked if a.id in doubt), None)
+        return first.payment if first else None
+
     @rule()
     def reconcile(self) -> None:
         """A person's look at the books; what it says is checked here, not after every step."""
