@@ -289,7 +289,7 @@ class MoneyAndControls(RuleBasedStateMachine):
         second later at least: the clock stands still within a step, a worker's backoff does not).
         The payments of refunds whose call's answer it lost go to ``payments`` again."""
         self._move(self.now + timedelta(seconds=1))
-        for refund in Refund.objects.filter(status=RefundState.APPROVED).order_by("created_at", "pk"):
+        for refund in self._queue():
             try:
                 payouts.submit_refund(refund_id=refund.pk)
             except ProcessorUnavailable:
@@ -298,6 +298,14 @@ class MoneyAndControls(RuleBasedStateMachine):
                                              finished_at=self.now).values_list("refund__payment_id", flat=True)
         return multiple(*sorted({self._index(payment) for payment in lost}))
 
+    def _queue(self) -> list[Refund]:
+        """The approved refunds in the order they were asked. Not by (created_at, pk): the clock stands
+        still within a step, so two refunds share a created_at and their random ids would order them
+        differently in a replay of the same steps, and Hypothesis stops on a flaky definition."""
+        asked = {a.id: i for i, a in enumerate(self.model.asked)}
+        return sorted(Refund.objects.filter(payment__in=self.payments, status=RefundState.APPROVED),
+                      key=lambda refund: asked[refund.pk])
+
     @precondition(lambda self: getattr(self, "in_flight", None) is None)
     @rule(target=payments)
     def a_call_outlives_its_lease(self):
@@ -305,10 +313,10 @@ class MoneyAndControls(RuleBasedStateMachine):
         is on the wire, slow: the gateway acts on it only when ``the_slow_call_lands`` (the two halves
         of payouts.submit_refund, with steps between). Its payment goes to ``payments`` again: its
         money is in doubt until the call lands."""
-        refund = Refund.objects.filter(payment__in=self.payments, status=RefundState.APPROVED).order_by(
-            "created_at", "pk").values_list("pk", "payment_id").first()
-        if refund is None:
+        queue = self._queue()
+        if not queue:
             return multiple()
+        refund = (queue[0].pk, queue[0].payment_id)
         try:
             attempt, _ = payouts._open_attempt(refund[0], payment_id=refund[1])
         except ProcessorUnavailable:
@@ -381,6 +389,23 @@ class MoneyAndControls(RuleBasedStateMachine):
         apply_dispute_news(processor=chosen.processor, account="default", reference=f"dp_{chosen.pk}", event=event,
                            payment_references=(chosen.processor_reference,), status=status, reason="fraudulent",
                            amount_minor=None, currency="", evidence_due_by=None)
+
+    # Enabled only while a refund's money is in doubt, so a dispute lands there about as often as the
+    # worker runs again: otherwise it rarely beats the worker's next run (findings 27.1 and 27.4).
+    @precondition(lambda self: self._in_doubt() is not None)
+    @rule(status=st.sampled_from(("open", "lost")))
+    def dispute_where_money_is_in_doubt(self, status: str) -> None:
+        self.dispute(payment=self._index(self._in_doubt()), status=status)
+
+    def _in_doubt(self) -> str | None:
+        """The payment of the first refund asked whose answer is lost or whose call is on the wire."""
+        if not hasattr(self, "payments"):
+            return None
+        open_ones = (GatewayAttempt.Outcome.UNKNOWN, GatewayAttempt.Outcome.LIVE)
+        doubt = set(GatewayAttempt.objects.filter(refund__payment__in=self.payments, outcome__in=open_ones)
+                    .values_list("refund_id", flat=True))
+        first = next((a for a in self.model.asked if a.id in doubt), None)
+        return first.payment if first else None
 
     @rule()
     def reconcile(self) -> None:
