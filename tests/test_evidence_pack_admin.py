@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import zipfile
 from datetime import timedelta
 
@@ -264,3 +265,26 @@ def test_the_packs_other_admin_doors_are_shut_to_other_roles_and_the_form_needs_
     forged.force_login(User.objects.get(username="auditor-1"))
     assert forged.post(reverse(LIST), {"first_day": _today(), "last_day": _today()}).status_code == 403
     assert EvidencePack.objects.count() == 1 and _evidence_entries().count() == 1
+
+
+@pytest.mark.django_db
+def test_a_pack_whose_id_reads_as_an_admin_escape_is_still_found_by_its_links(signing, django_capture_on_commit_callbacks,
+                                                                              monkeypatch):
+    """The admin unquotes ids in its URLs ("_24" is "$"), so its links must quote them: a pack id
+    like ep_24... (ep_22 to ep_26 and ep_40: 6 in 256) answered the page's progress poll with a 404."""
+    make_limits(), make_rules()
+    auditor = _staff("auditor-1", "auditor")
+    from audit import models
+
+    new_id = models.new_id
+    monkeypatch.setattr(models, "new_id", lambda prefix: "ep_245f0c1d2e" if prefix == "ep" else new_id(prefix))
+    with django_capture_on_commit_callbacks(execute=True):
+        auditor.post(reverse(LIST), {"first_day": _today(), "last_day": _today()})
+    pack = EvidencePack.objects.get()
+    assert pack.pk == "ep_245f0c1d2e" and pack.status == "done"
+    page = auditor.get(reverse(LIST)).content.decode()
+    progress_url = re.search(r'data-progress-url="([^"]+)"', page).group(1)
+    progress = auditor.get(progress_url)
+    assert progress.status_code == 200 and progress.json()["id"] == pack.pk
+    download = auditor.get(progress.json()["download"])
+    assert download.status_code == 200 and download["Content-Type"] == "application/zip"

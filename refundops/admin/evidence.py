@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from django import forms
 from django.contrib import admin, messages
-from django.contrib.admin.utils import unquote
+from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.template.response import TemplateResponse
@@ -36,7 +36,7 @@ def progress_of(pack: EvidencePack) -> dict:
     return {"id": pack.pk, "status": pack.status, "percent": pack.percent, "step": pack.step,
             "steps_done": pack.steps_done, "steps_total": pack.steps_total, "exceptions": pack.exception_count,
             "error": pack.error, "size_bytes": pack.size_bytes,
-            "download": reverse("admin:audit_evidencepack_download", args=[pack.pk]) if done else None}
+            "download": reverse("admin:audit_evidencepack_download", args=[quote(pack.pk)]) if done else None}
 
 
 @admin.register(EvidencePack)
