@@ -143,3 +143,68 @@ def test_a_dispute_while_a_call_is_in_flight_is_audited_not_guessed(api, policy,
 
     assert refund.status == RefundState.APPROVED
     assert AuditEntry.objects.filter(subject_id=refund_id, action="refund.disputed_in_flight").exists()
+
+
+def lost_dispute(fake: FakeStripe, payment: Payment) -> str:
+    """A dispute we first hear of as lost (its "created" event never reached us): the customer has
+    the money back through the card network already."""
+    charge = fake.payment_intents[payment.processor_reference]["latest_charge"]
+    dispute_id = fake.add_dispute(charge, status="lost")
+    answer = post_stripe_event(Client(), stripe_event("charge.dispute.closed", dict(fake.disputes[dispute_id])))
+    assert answer.status_code == 200
+    payment.refresh_from_db()
+    assert payment.dispute_status == Payment.Dispute.LOST
+    return dispute_id
+
+
+def test_a_refund_approved_automatically_is_canceled_not_paid_when_the_dispute_is_first_heard_lost(
+        api, policy, gateways, stripe_fake):
+    """Found by the model (tests/test_model.py, never_paid_twice_silently): on 635a33b the worker
+    paid it (settled, 30.00 refunded by PayPal and the sandbox after a chargeback of the whole
+    payment, ``paid_twice`` false, no discrepancy): only an open dispute stopped it."""
+    payment = stripe_payment(stripe_fake, 5_000)
+    answer = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 2_000,
+                                           "reason": "customer_request"})
+    assert answer.status_code == 201
+    refund_id = answer.json()["refund"]["id"]
+    dispute_id = lost_dispute(stripe_fake, payment)
+
+    refund = payouts.submit_refund(refund_id=refund_id)
+
+    assert refund.status == RefundState.CANCELED and dispute_id in refund.failure_message
+    assert "lost" in refund.failure_message
+    assert stripe_fake.refund_count == 0
+    payment.refresh_from_db()
+    assert (payment.amount_refunded_minor, payment.amount_reserved_minor, payment.paid_twice) == (0, 0, False)
+
+
+def test_a_refund_asked_after_the_dispute_was_lost_is_held_for_a_person(api, policy, gateways, stripe_fake):
+    """On 635a33b approved at once (201) and paid: the policy held open disputes only."""
+    payment = stripe_payment(stripe_fake, 5_000)
+    lost_dispute(stripe_fake, payment)
+
+    answer = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 2_000,
+                                           "reason": "customer_request"})
+
+    assert answer.status_code == 202 and "PAYMENT_DISPUTED" in answer.json()["hold_reasons"]
+
+
+@pytest.mark.parametrize("dispute", ["open", "lost"])
+def test_a_refund_a_person_pays_on_a_disputed_payment_marks_it_paid_twice(api, policy, gateways, stripe_fake,
+                                                                          dispute):
+    """A person may pay it (theirs to answer for), and the payment says it may be paid back twice, as
+    when the dispute comes after the refund. On 635a33b ``paid_twice`` stayed false: it was set only
+    when dispute news arrived."""
+    payment = stripe_payment(stripe_fake, 5_000)
+    (open_dispute if dispute == "open" else lost_dispute)(stripe_fake, payment)
+    answer = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 2_000,
+                                           "reason": "customer_request"})
+    approve_refund(refund_id=answer.json()["refund"]["id"], approver=approver(), note="goods never shipped")
+
+    refund = payouts.submit_refund(refund_id=answer.json()["refund"]["id"])
+
+    assert refund.status == RefundState.SETTLED and stripe_fake.refund_count == 1
+    payment.refresh_from_db()
+    assert payment.paid_twice is True
+    assert AuditEntry.objects.filter(action="payment.paid_twice", subject_id=payment.pk,
+                                     data__refund_id=refund.pk).count() == 1

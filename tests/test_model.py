@@ -80,6 +80,7 @@ pytestmark = pytest.mark.django_db
 # with the branch that fixes it (the lead empties it as fixes land); all the others are checked.
 PROPERTIES = (
     "never_more_refunded_than_captured",
+    "never_paid_twice_silently",
     "every_window_sums_what_the_model_sums",
     "paid_at_the_gateway_never_canceled_or_failed_silently",
     "nothing_stays_submitted_past_its_deadline",
@@ -598,6 +599,20 @@ class MoneyAndControls(RuleBasedStateMachine):
             assert paid.get(payment.pk, 0) <= captured, f"{payment.pk}: the gateway paid {paid[payment.pk]} of {captured}"
 
     @invariant()
+    def never_paid_twice_silently(self) -> None:
+        """A refund the gateway paid on a payment whose dispute is open or lost: the customer may have
+        the money twice (refund and chargeback). Never without a person seeing it: the payment is
+        marked paid twice, or a discrepancy is open."""
+        if waiting("never_paid_twice_silently") or not hasattr(self, "payments"):
+            return
+        paid = self._gateway_paid()
+        for payment in Payment.objects.filter(pk__in=list(paid), dispute_status__in=(
+                Payment.Dispute.OPEN, Payment.Dispute.LOST)).exclude(paid_twice=True):
+            assert self._open_discrepancy(payment.pk), (
+                f"{payment.pk}: its dispute is {payment.dispute_status}, the gateway paid {paid[payment.pk]} of our "
+                f"refunds, not marked paid twice and no discrepancy open")
+
+    @invariant()
     def every_window_sums_what_the_model_sums(self) -> None:
         if waiting("every_window_sums_what_the_model_sums") or not hasattr(self, "payments"):
             return
@@ -900,6 +915,16 @@ def test_27_1_a_book_that_cannot_list_every_refund_never_proves_one_absent(world
         steps.worker_runs()  # 40b02bc: canceled on an incomplete book, paid at PayPal, no discrepancy
         steps.dispute(payment=2, status="lost")
         steps.reconcile()
+
+
+def test_27_6_a_dispute_first_heard_lost_never_pays_a_refund_twice(world) -> None:
+    """Found by the model's search on 635a33b (never_paid_twice_silently, at its first example with
+    the property): a chargeback lost before the worker paid an automatically approved refund."""
+    with Steps() as steps:
+        steps.begin(zone="Asia/Kathmandu", start=0, offset=0)
+        steps.ask_refund(by_agent=True, payment=3, amount=3_000)
+        steps.dispute(payment=3, status="lost")  # its "open" news never reached us
+        steps.worker_runs()  # 635a33b: paid, settled, not marked paid twice
 
 
 def test_27_2_a_day_that_repeats_its_first_hour_counts_it_once(world) -> None:

@@ -128,7 +128,9 @@ class Payment(models.Model):
 
     @property
     def is_disputed(self) -> bool:
-        return self.dispute_status == self.Dispute.OPEN
+        """Open (the money is at stake) or lost (a chargeback paid the customer back): either way a
+        refund could pay them twice. Won is settled in the merchant's favour."""
+        return self.dispute_status in (self.Dispute.OPEN, self.Dispute.LOST)
 
     @property
     def method_display(self) -> str:

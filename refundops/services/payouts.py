@@ -212,7 +212,8 @@ def cancel_if_disputed_since_approval(*, refund_id: str) -> Refund:
 
 def _cancel_if_disputed(refund: Refund) -> Refund:
     """The last look before paying: a refund no person approved is not paid on a payment whose
-    dispute is open, since losing the dispute would pay the customer twice. The policy holds
+    dispute is open, since losing the dispute would pay the customer twice, or lost (the chargeback
+    paid them back already; we may hear of it first as lost, its "opened" news lost). The policy holds
     new refunds on disputed payments for a person; this catches a dispute that opened between
     the automatic approval and the payment. A refund a person approved is theirs to answer for.
     The caller holds the refund's lock."""
@@ -224,9 +225,15 @@ def _cancel_if_disputed(refund: Refund) -> Refund:
         record_audit(actor=WORKER, action="refund.disputed_in_flight", subject_type="refund",
                      subject_id=refund.pk, data={"processor_dispute_id": refund.payment.dispute_reference})
         return refund
-    refund.cancel(message=f"The payment was disputed ({refund.payment.dispute_reference}) after this refund "
-                          f"was approved automatically and before it was paid; paying it as well could "
-                          f"pay the customer twice. A person may refund it once the dispute is decided.")
+    if refund.payment.dispute_status == Payment.Dispute.LOST:
+        refund.cancel(message=f"The payment's dispute ({refund.payment.dispute_reference}) was lost after this "
+                              f"refund was approved automatically and before it was paid: the customer has the "
+                              f"money back through the chargeback, and paying it as well would pay them twice. "
+                              f"A person may still refund what the chargeback did not return.")
+    else:
+        refund.cancel(message=f"The payment was disputed ({refund.payment.dispute_reference}) after this refund "
+                              f"was approved automatically and before it was paid; paying it as well could "
+                              f"pay the customer twice. A person may refund it once the dispute is decided.")
     history = _save(refund, [_moved(refund, f"payment disputed ({refund.payment.dispute_reference}) before it "
                                            f"was paid", previous=RefundState.APPROVED)])
     sync_payment_amounts(refund.payment)
@@ -240,8 +247,7 @@ def _cancel_if_disputed(refund: Refund) -> Refund:
 def _dispute_forbids_paying(refund: Refund) -> bool:
     """An approved refund no person approved, on a payment whose dispute is open or was lost: paying
     it too could pay the customer twice."""
-    return (refund.status == RefundState.APPROVED and refund.payment.dispute_status in (
-        Payment.Dispute.OPEN, Payment.Dispute.LOST) and not approved_by_a_person(refund))
+    return refund.status == RefundState.APPROVED and refund.payment.is_disputed and not approved_by_a_person(refund)
 
 
 def raise_unverifiable(refund: Refund, *, why: str) -> LedgerDiscrepancy:
@@ -330,6 +336,8 @@ def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gate
     close(news=bool(result.processor_refund_id) and refund.processor_refund_id == result.processor_refund_id)
     if refund.status != before:
         sync_payment_amounts(refund.payment)
+        if paid and before not in (RefundState.SUBMITTED, RefundState.SETTLED):
+            _mark_paid_twice_if_disputed(refund)
         gateway_response = {**asdict(result), "amount": asdict(result.amount)}
         verdict = _answer_on_verdict(refund.verdict_id, gateway_response)
         action = "refund.reinstated" if before in (RefundState.FAILED, RefundState.CANCELED) else f"refund.{refund.status}"
@@ -339,6 +347,24 @@ def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gate
                   "verdict_id": refund.verdict_id, "gateway": gateway_response},
             records=[history, *([verdict] if verdict else [])]))
     return refund
+
+
+def _mark_paid_twice_if_disputed(refund: Refund) -> None:
+    """Money left for a refund of a payment whose dispute is open or lost (a person paid it knowing,
+    or the dispute came while the call was out): the customer may have it back twice, and a person
+    sees it, as when the dispute comes after the refund (gateway_events._paid_twice). The caller
+    holds the payment's lock."""
+    payment = refund.payment
+    if not payment.is_disputed or payment.paid_twice:
+        return
+    payment.paid_twice = True
+    Payment.objects.filter(pk=payment.pk).update(paid_twice=True)
+    record_audit(actor=WORKER, action="payment.paid_twice", subject_type="payment", subject_id=payment.pk,
+                 data={"refund_id": refund.pk, "processor_dispute_id": payment.dispute_reference,
+                       "dispute_status": payment.dispute_status, "amount_refunded_minor": payment.amount_refunded_minor,
+                       "amount_reserved_minor": payment.amount_reserved_minor})
+    log.error("payment %s: refund %s paid while its dispute is %s; it may be paid back twice", payment.pk,
+              refund.pk, payment.dispute_status)
 
 
 def _fits(refund: Refund) -> bool:
