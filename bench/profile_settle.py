@@ -1,6 +1,6 @@
 """Where the worker's time goes paying one approved refund (issue 31), in process.
 
-    .venv/bin/python bench/profile_settle.py [--refunds 300] [--cprofile 40] [--json]
+    .venv/bin/python bench/profile_settle.py [--refunds 300] [--cprofile 40] [--json] [--pstats FILE]
 
 Seeds ``--refunds`` approved refunds as bench/drain.py does (its database ``refundops_drain``
 recreated under ``--database``, a private redis-server, the sandbox at settle delay zero), then
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database", default="refundops_drain_profile")
     parser.add_argument("--cprofile", type=int, default=0, metavar="LINES", help="also print cProfile's top LINES")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--pstats", metavar="FILE", help="also save the cProfile (pstats) to FILE")
     args = parser.parse_args(argv)
     bench_args = argparse.Namespace(refunds=args.refunds, database=args.database, seed_threads=4, env=[],
                                     keep=False, processes=[1])
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             submit_refund.apply(kwargs={"refund_id": refund_id})
         profile.disable()
         stats = pstats.Stats(profile)
+        if args.pstats:
+            stats.dump_stats(args.pstats)
         whole = cumulative(stats, "celery/app/task.py", "apply")
         parts = []
         for label, path, name in PARTS:
