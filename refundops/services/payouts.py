@@ -8,6 +8,7 @@ looked up at the gateway before anything else is decided (``services/attempts.py
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -32,7 +33,7 @@ from processors.base import (
     RefundResult,
 )
 from processors.registry import get_processor
-from refundops import metrics, outbound
+from refundops import batching, metrics, outbound
 from refundops.locks import lock_payment, lock_refund, read_refund
 from refundops.models import GatewayAttempt, LedgerDiscrepancy, Payment, Refund, RefundState
 from refundops.rows import Columns, db, save_new
@@ -267,14 +268,24 @@ def approved_by_a_person(refund: Refund) -> bool:
     return refund.history.filter(status__in=(RefundState.HELD, RefundState.FAILED)).exists()
 
 
-@transaction.atomic
 def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: GatewayAttempt | None = None,
                           payment_id: str | None = None) -> Refund:
     """Apply what the gateway says of one refund. Idempotent: the same answer twice changes nothing.
     A gateway refund that paid money is never dropped: it settles the refund whatever we thought
     of it, or, where our ledger cannot take it, it is raised to a person. The ``attempt`` that got
     this answer is closed in the same transaction, so no worker sees it closed and the refund unpaid.
-    ``payment_id``: the refund's payment, when the caller has it (it spares a query)."""
+    ``payment_id``: the refund's payment, when the caller has it (it spares a query).
+    In a transaction of its own (the worker's answer, a webhook's, a sync's) its statements go in
+    psycopg's pipeline (``batching.batch``): the writes nothing reads before the commit (the history
+    rows, the attempt closed, the audit entry) ride with the next statement. Inside a caller's
+    transaction (``resolve_unknown_attempts``) as they come: a batch is the outermost block's."""
+    outermost = not db().in_atomic_block
+    with transaction.atomic(), (batching.batch() if outermost else contextlib.nullcontext()):
+        return _record_gateway_result(refund_id=refund_id, result=result, attempt=attempt, payment_id=payment_id)
+
+
+def _record_gateway_result(*, refund_id: str, result: RefundResult, attempt: GatewayAttempt | None,
+                           payment_id: str | None) -> Refund:
     refund = _lock(refund_id, payment_id=payment_id)
     as_locked = dict(vars(refund))  # what _save compares with: only what changed is written
 
