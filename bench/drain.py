@@ -283,6 +283,8 @@ class Bench:
                 if meter is None and result.settled and cpu.available():
                     meter, metered_from = self.cpu_meter(), result.settled
                     meter.start()
+                elif meter is not None:
+                    meter.sample()  # a backend closed mid-run (Celery's fixup, every 1,000 tasks) still counts
                 if result.settled >= len(ids) or now > deadline:
                     break
                 proc = self.workers.procs[0]
@@ -314,8 +316,9 @@ class Bench:
 
     def cpu_meter(self) -> cpu.Meter:
         """The worker's processes, the PostgreSQL backends on the bench's database but this
-        process's own, and the private redis-server (bench/cpu.py). A backend that ends mid-run
-        (Celery's fixup recycles one every 1,000 tasks) is lost; one that starts counts from zero."""
+        process's own, and the private redis-server (bench/cpu.py), sampled every poll: a backend
+        that ends mid-run (Celery's fixup recycles one every 1,000 tasks) counts to its last sample;
+        one that starts counts from zero."""
         from django.db import connection
 
         def backends() -> set[int]:
