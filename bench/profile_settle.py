@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{len(ids)} refunds settled by submit_refund.apply in process ({settled} settled): CPU "
                   f"{report['cpu_ms']} ms a refund, wall {report['wall_ms']} ms, its PostgreSQL backend "
-                  f"{report['backend_cpu_ms']} ms; {len(statements)} statements a settle:")
+                  f"{report['backend_cpu_ms']} ms; {len(statements)} execute() calls a settle (statements deferred"
+                  f" into a batch, refundops.batching, are not among them):")
             for sql in statements:
                 print("   ", " ".join(sql.split())[:120])
             print(f"\n{'part':<80} {'share':>6} {'ms':>6}")
