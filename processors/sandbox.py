@@ -104,7 +104,6 @@ def _refund_at_once(request: RefundRequest, *, settle_delay_seconds: int) -> San
     if row is None:
         return None
     made.pk, made.charge_id = row
-    made._state.adding, made._state.db = False, "default"  # as save() leaves it
     return made
 
 
