@@ -23,7 +23,6 @@ from collections import Counter as Tally
 from pathlib import Path
 
 import redis
-from redis.commands.core import Script
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.db.models import Count, Min
@@ -32,6 +31,7 @@ from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily, HistogramMetricFamily
+from redis.commands.core import Script
 
 from processors import breaker as gateway_breaker
 from processors.redis_client import redis_client, redis_key
