@@ -73,9 +73,18 @@ class Meter:
 
     def start(self) -> None:
         self.before, self.children_before = self._read(), children_seconds()
+        self.latest = {name: dict(pids) for name, pids in self.before.items()}
+
+    def sample(self) -> None:
+        """Read every part now: a process that ends before ``stop()`` (a database connection closed
+        and opened again) then counts up to its last sample rather than not at all."""
+        for name, pids in self._read().items():
+            self.latest.setdefault(name, {}).update(pids)
 
     def stop(self) -> dict[str, float]:
         after = self._read()
+        for name, pids in getattr(self, "latest", {}).items():
+            after[name] = {**pids, **after.get(name, {})}
         spent = {name: sum(max(s - self.before.get(name, {}).get(pid, 0.0), 0.0) for pid, s in pids.items())
                  for name, pids in after.items()}
         spent["wrk"] = children_seconds() - self.children_before

@@ -24,6 +24,11 @@ settle, three raw statements on a kept connection). It is the Celery, broker and
 trips that any worker paying one refund at a time pays; the ratio full / floor is what the product's
 own path (ORM, lease, locks, history, audit, outbox, webhooks) costs on top.
 
+Beside each figure, the CPU a refund settled took, by part (bench/cpu.py, from ``/proc``): the worker's
+processes, their PostgreSQL backends, the private redis-server, from the first refund seen settled to
+the last. On a shared machine the rate moves with the others' load; the CPU a refund moves less, and
+on two cores 2,000 ms over it is the rate's ceiling.
+
 At the end it checks the sandbox's own books against ours: every refund settled, exactly one
 sandbox refund per refund of ours, its amount and reference ours, one gateway attempt per refund,
 succeeded; the floor's gateway table has one row per refund with its amount. Exits 1 otherwise.
@@ -50,6 +55,7 @@ from urllib.parse import urlsplit, urlunsplit
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path[:1]:
     sys.path.insert(0, str(ROOT))  # run as a script: the project (and its tests) first
+from bench import cpu  # noqa: E402
 from bench.stack import PrivateRedis, Workers, create_migrated_database, drop_database  # noqa: E402
 
 SETTINGS = "bench.settings_drain"
@@ -77,6 +83,10 @@ class Drained:
     wall_seconds: float = 0.0  # worker started to last refund settled (its start-up included)
     seed_seconds: float = 0.0
     connections: int = 0  # database sessions the worker opened, start to shutdown (pg_stat_database)
+    # CPU ms a refund settled, from the first refund seen settled to the last (start-up left out), by
+    # part: the worker (Celery's main process and its pool), its PostgreSQL backends, the private
+    # redis-server. On two cores the throughput's ceiling is 2,000 ms over their sum.
+    cpu_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def per_second(self) -> float:
@@ -84,6 +94,7 @@ class Drained:
 
     def as_json(self) -> dict[str, Any]:
         return {**asdict(self), "per_second": round(self.per_second, 1), "seconds": round(self.seconds, 2),
+                "cpu_ms": {k: round(v, 2) for k, v in self.cpu_ms.items()},
                 "wall_seconds": round(self.wall_seconds, 2), "seed_seconds": round(self.seed_seconds, 1)}
 
 
@@ -264,10 +275,16 @@ class Bench:
         profiler = self.start_profiler(kind, processes)
         deadline = started + self.args.drain_seconds
         last_log = started
+        meter, metered_from = None, 0
         try:
             while True:
                 result.settled = self.settled_count(kind, ids)  # on one kept connection
                 now = time.monotonic()
+                if meter is None and result.settled and cpu.available():
+                    meter, metered_from = self.cpu_meter(), result.settled
+                    meter.start()
+                elif meter is not None:
+                    meter.sample()  # a backend closed mid-run (Celery's fixup, every 1,000 tasks) still counts
                 if result.settled >= len(ids) or now > deadline:
                     break
                 proc = self.workers.procs[0]
@@ -279,6 +296,11 @@ class Bench:
                     last_log = now
                 time.sleep(0.2)
             result.wall_seconds = time.monotonic() - started
+            if meter is not None and result.settled > metered_from:
+                spent = meter.stop()
+                result.cpu_ms = {part: spent[part] * 1000 / (result.settled - metered_from)
+                                 for part in ("worker", "postgres", "redis")}
+                result.cpu_ms["total"] = sum(result.cpu_ms.values())
         finally:
             self.stop_profiler(profiler)
             self.workers.shut_down_all()
@@ -291,6 +313,23 @@ class Bench:
         log(f"{kind}, {processes} process(es): {result.settled} settled in {result.seconds:.1f} s: "
             f"{result.per_second:.1f} refunds/s; {result.connections} database connections opened")
         return result
+
+    def cpu_meter(self) -> cpu.Meter:
+        """The worker's processes, the PostgreSQL backends on the bench's database but this
+        process's own, and the private redis-server (bench/cpu.py), sampled every poll: a backend
+        that ends mid-run (Celery's fixup recycles one every 1,000 tasks) counts to its last sample;
+        one that starts counts from zero."""
+        from django.db import connection
+
+        def backends() -> set[int]:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                               " AND pid <> pg_backend_pid()")
+                return {pid for (pid,) in cursor.fetchall()}
+
+        worker = self.workers.procs[0].pid
+        return cpu.Meter({"worker": lambda: cpu.descendants(worker), "postgres": backends,
+                          "redis": lambda: {self.redis.proc.pid}})
 
     def start_profiler(self, kind: str, processes: int) -> subprocess.Popen | None:
         """py-spy on the worker and its pool processes, for the product's run with one process."""
@@ -423,11 +462,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drain: {report['refunds']} approved refunds per run, sandbox settle delay 0, celery worker "
               f"--pool prefork, {report['cpus']} CPUs, load average {report['load_average']}")
         print(f"{'processes':>9} {'full refunds/s':>15} {'floor refunds/s':>16} {'full/floor':>11}"
-              f" {'full s':>7} {'floor s':>8} {'connections':>12}")
+              f" {'full s':>7} {'floor s':>8} {'connections':>12}   CPU ms a refund, full (floor):"
+              f" worker, postgres, redis, total")
         for run in report["runs"]:
+            full_cpu, floor_cpu = run["full"]["cpu_ms"], run["floor"]["cpu_ms"]
+            spent = ", ".join(f"{full_cpu.get(part, 0):.2f} ({floor_cpu.get(part, 0):.2f})"
+                              for part in ("worker", "postgres", "redis", "total"))
             print(f"{run['processes']:>9} {run['full']['per_second']:>15.1f} {run['floor']['per_second']:>16.1f} "
                   f"{run['ratio'] or 0:>11.3f} {run['full']['seconds']:>7.1f} {run['floor']['seconds']:>8.1f} "
-                  f"{run['full']['connections']:>12}")
+                  f"{run['full']['connections']:>12}   {spent}")
         checked = report["checked"]
         if report["exactly_once"]:
             print(f"exactly once: {checked.get('refunds')} refunds settled, {checked.get('sandbox_refunds')} sandbox "

@@ -1,6 +1,6 @@
 """Where the worker's time goes paying one approved refund (issue 31), in process.
 
-    .venv/bin/python bench/profile_settle.py [--refunds 300] [--cprofile 40] [--json]
+    .venv/bin/python bench/profile_settle.py [--refunds 300] [--cprofile 40] [--json] [--pstats FILE]
 
 Seeds ``--refunds`` approved refunds as bench/drain.py does (its database ``refundops_drain``
 recreated under ``--database``, a private redis-server, the sandbox at settle delay zero), then
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database", default="refundops_drain_profile")
     parser.add_argument("--cprofile", type=int, default=0, metavar="LINES", help="also print cProfile's top LINES")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--pstats", metavar="FILE", help="also save the cProfile (pstats) to FILE")
     args = parser.parse_args(argv)
     bench_args = argparse.Namespace(refunds=args.refunds, database=args.database, seed_threads=4, env=[],
                                     keep=False, processes=[1])
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             submit_refund.apply(kwargs={"refund_id": refund_id})
         profile.disable()
         stats = pstats.Stats(profile)
+        if args.pstats:
+            stats.dump_stats(args.pstats)
         whole = cumulative(stats, "celery/app/task.py", "apply")
         parts = []
         for label, path, name in PARTS:
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{len(ids)} refunds settled by submit_refund.apply in process ({settled} settled): CPU "
                   f"{report['cpu_ms']} ms a refund, wall {report['wall_ms']} ms, its PostgreSQL backend "
-                  f"{report['backend_cpu_ms']} ms; {len(statements)} statements a settle:")
+                  f"{report['backend_cpu_ms']} ms; {len(statements)} execute() calls a settle (statements deferred"
+                  f" into a batch, refundops.batching, are not among them):")
             for sql in statements:
                 print("   ", " ".join(sql.split())[:120])
             print(f"\n{'part':<80} {'share':>6} {'ms':>6}")

@@ -7,12 +7,13 @@ success after a configurable delay, and can be told to decline or to be down.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from processors import signing
@@ -54,6 +55,70 @@ def set_mode(mode: str, *, settle_delay_seconds: int | None = None) -> SandboxCo
     return control
 
 
+_CONTROL_COLUMNS = [field.attname for field in SandboxControl._meta.concrete_fields]
+_READ_CONTROL = (f"SELECT {', '.join(SandboxControl._meta.get_field(name).column for name in _CONTROL_COLUMNS)}"
+                 f" FROM {SandboxControl._meta.db_table} WHERE id = 1")
+
+
+def _read_control() -> SandboxControl:
+    """``SandboxControl.current()``, read every call (an operator's flip counts at once): on
+    PostgreSQL its row by plain SQL, as the ORM would read it. Compiling the ORM's get() cost
+    the worker's settle more than the sandbox's own statement."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(_READ_CONTROL)
+            row = cursor.fetchone()
+        if row is not None:
+            return SandboxControl.from_db("default", _CONTROL_COLUMNS, row)
+    return SandboxControl.current()
+
+
+def _refund_at_once(request: RefundRequest, *, settle_delay_seconds: int) -> SandboxRefund | None:
+    """A new refund in one statement (issue 31: the worker's settle spent a third of its time in the
+    sandbox's eight): the charge's refunded total raised where the charge has this reference, this
+    currency and room for the amount, and no refund has this key yet, and the refund inserted for
+    the charge so raised; both or neither. The UPDATE takes the charge's row lock, as the locked way
+    below does. None when nothing was written (the key was seen, the charge is not there or has no
+    room, the currency differs, or a call with the same key got in first: the key's unique index
+    refuses the second INSERT and the whole statement with it); the caller then answers the locked
+    way, which finds the first refund or says why not. Only the success is answered here, and it is
+    the answer the locked way would give."""
+    now = timezone.now()
+    made = SandboxRefund(reference=f"sbre_{secrets.token_hex(8)}", amount_minor=request.amount.amount_minor,
+                         currency=request.amount.currency, idempotency_key=request.idempotency_key,
+                         metadata={"refund_id": request.refund_id, "verdict_id": request.verdict_id,
+                                   "reason": request.reason},
+                         settles_at=now + timedelta(seconds=settle_delay_seconds), created_at=now)
+    metadata = SandboxRefund._meta.get_field("metadata").get_db_prep_save(made.metadata, connection)
+    try:
+        # Inside a caller's transaction, a savepoint: a refused INSERT must not abort the caller's.
+        with transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext():
+            with connection.cursor() as cursor:
+                cursor.execute(_REFUND_AT_ONCE, [
+                    made.amount_minor, request.payment.reference, made.currency, made.amount_minor,
+                    made.idempotency_key, made.reference, made.amount_minor, made.currency, made.idempotency_key,
+                    metadata, made.status, made.settles_at, made.created_at])
+                row = cursor.fetchone()
+    except IntegrityError:
+        return None
+    if row is None:
+        return None
+    made.pk, made.charge_id = row
+    return made
+
+
+_REFUND_AT_ONCE = f"""
+WITH charge AS (
+  UPDATE {SandboxCharge._meta.db_table} SET refunded_minor = refunded_minor + %s
+   WHERE reference = %s AND currency = %s AND refunded_minor + %s <= captured_minor
+     AND NOT EXISTS (SELECT FROM {SandboxRefund._meta.db_table} WHERE idempotency_key = %s)
+  RETURNING id)
+INSERT INTO {SandboxRefund._meta.db_table}
+       (reference, charge_id, amount_minor, currency, idempotency_key, metadata, status, settles_at, created_at)
+SELECT %s, charge.id, %s, %s, %s, %s, %s, %s, %s FROM charge
+RETURNING id, charge_id"""
+
+
 class SandboxProcessor:
     name = "sandbox"
 
@@ -63,7 +128,7 @@ class SandboxProcessor:
 
     # -- helpers -------------------------------------------------------------------------------
     def _control(self) -> SandboxControl:
-        control = SandboxControl.current()
+        control = _read_control()
         if control.mode == SandboxControl.Mode.DOWN:
             raise ProcessorUnavailable("sandbox gateway is down", code="gateway_down")
         return control
@@ -79,6 +144,11 @@ class SandboxProcessor:
     # -- the interface ---------------------------------------------------------------------------
     def refund(self, request: RefundRequest) -> RefundResult:
         control = self._control()
+        if control.mode == SandboxControl.Mode.UP and connection.vendor == "postgresql":
+            made = _refund_at_once(request, settle_delay_seconds=control.settle_delay_seconds)
+            if made is not None:
+                return self._result(made)
+            # Nothing written: the key was seen before, or a refusal. Answered as always, below.
         existing = SandboxRefund.objects.filter(idempotency_key=request.idempotency_key).first()
         if existing is not None:
             return self._result(existing)

@@ -14,6 +14,7 @@ development mode.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import os
@@ -30,6 +31,7 @@ from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily, HistogramMetricFamily
+from redis.commands.core import Script
 
 from processors import breaker as gateway_breaker
 from processors.redis_client import redis_client, redis_key
@@ -87,15 +89,28 @@ def _gateway_key(gateway: str) -> str:
 def record_gateway_call(gateway: str, outcome: str, seconds: float) -> None:
     """One gateway call, kept in Redis so that the web process's /metrics sees the workers' calls.
     Best effort: a metric is never a reason to fail a payout."""
-    fields = {f"{outcome}:count": 1, **{f"{outcome}:le:{b}": 1 for b in GATEWAY_BUCKETS if seconds <= b}}
     try:
-        pipe = redis_client().pipeline(transaction=False)
-        for field, amount in fields.items():
-            pipe.hincrby(_gateway_key(gateway), field, amount)
-        pipe.hincrbyfloat(_gateway_key(gateway), f"{outcome}:sum", seconds)
-        pipe.execute()
+        _count_call_script(redis_client())(keys=[_gateway_key(gateway)], args=[outcome, repr(seconds)])
     except redis.RedisError:
         log.warning("metrics: Redis unreachable; gateway call to %s not counted", gateway)
+
+
+# One call counts it: the count, the sum, and each bucket the call fits in (cumulative, as Prometheus
+# reads them). Eleven HINCRBYs in a pipeline cost the worker's settle ~0.7 ms of redis-py's packing.
+_COUNT_CALL_LUA = """
+local outcome, seconds = ARGV[1], tonumber(ARGV[2])
+redis.call('HINCRBY', KEYS[1], outcome .. ':count', 1)
+for _, bucket in ipairs({%s}) do
+  if seconds <= tonumber(bucket) then redis.call('HINCRBY', KEYS[1], outcome .. ':le:' .. bucket, 1) end
+end
+redis.call('HINCRBYFLOAT', KEYS[1], outcome .. ':sum', ARGV[2])
+""" % ", ".join(f"'{b}'" for b in GATEWAY_BUCKETS)
+
+
+@functools.cache
+def _count_call_script(client: redis.Redis) -> Script:
+    """One per client: redis-py sends EVALSHA, and loads the script again after NOSCRIPT."""
+    return client.register_script(_COUNT_CALL_LUA)
 
 
 def _queue_depth(queue: str) -> int:

@@ -424,6 +424,56 @@ def test_the_sandbox_answers_a_concurrent_duplicate_with_the_first_refund_never_
 
 
 @pytest.mark.django_db(transaction=True)
+def test_the_sandbox_pays_a_key_once_when_a_duplicate_waits_on_the_charge_and_finds_room_left():
+    """The sandbox's one-statement refund (the charge raised where the key is unseen, and the refund
+    inserted) sees the key as of its start. A duplicate that started while the first call's
+    transaction held the charge finds room left once it gets the lock and raises the charge again:
+    the key's unique index must refuse its refund and undo that raise with it, and the duplicate
+    answers the first refund. The charge is raised once."""
+    import threading
+    import time
+
+    from django.db import connection, transaction
+
+    from processors.models import SandboxCharge
+
+    sandbox.set_mode("up", settle_delay_seconds=0)
+    payment = make_payment(amount=5_000)
+    refund = approved_refund(payment, 1_000)
+    request = RefundRequest(payment=payouts.payment_ref(payment), amount=refund.money, reason=refund.reason,
+                            idempotency_key=attempts.idempotency_key(refund), refund_id=refund.pk, verdict_id="")
+    first_holds_the_charge, answers = threading.Event(), {}
+
+    def duplicate() -> None:
+        first_holds_the_charge.wait(10)
+        try:
+            answers["duplicate"] = get_processor("sandbox").refund(request).processor_refund_id
+        except Exception as exc:  # noqa: BLE001 - the answer under test
+            answers["duplicate"] = f"{type(exc).__name__}: {getattr(exc, 'code', exc)}"
+        finally:
+            connection.close()
+
+    second = threading.Thread(target=duplicate)
+    second.start()
+    with transaction.atomic():  # the first call's refund written, not committed until the duplicate waits
+        answers["first"] = get_processor("sandbox").refund(request).processor_refund_id
+        first_holds_the_charge.set()
+        with connection.cursor() as cursor:  # until the duplicate's statement waits on the charge's lock
+            for _ in range(200):
+                cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'")
+                if cursor.fetchone()[0]:
+                    break
+                time.sleep(0.02)
+            else:
+                pytest.fail("the duplicate never waited on the charge")
+    second.join(10)
+
+    made = SandboxRefund.objects.get(charge__reference=payment.processor_reference)
+    assert answers == {"first": made.reference, "duplicate": made.reference}
+    assert SandboxCharge.objects.get(reference=payment.processor_reference).refunded_minor == 1_000
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_webhook_and_a_second_worker_during_the_first_workers_call_pay_once_and_agree(gateways, stripe_fake):
     """The gateway acts, its event comes in, and another worker picks the refund up, all while the
     first worker still waits for its answer."""

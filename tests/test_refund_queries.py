@@ -69,21 +69,28 @@ def test_an_approved_refund_takes_10_round_trips_of_18_statements_and_keeps_ever
     assert not OutboxMessage.objects.filter(sent_at__isnull=True).exists()  # both effects sent after commit
 
 
-# The worker paying one approved refund on the sandbox (settle delay zero): the refund and its
-# payment read; BEGIN; the payment and refund locks (the payment named by the refund just read);
-# the attempts not yet finished (one query: a live lease or an unknown answer); the attempt; COMMIT;
-# the sandbox's own eight (its control row, its key looked up, BEGIN, the charge locked, the key
-# again under it, the charge, its refund, COMMIT); BEGIN; the two locks (the refund's without its
-# payment again); the refund saved once in its last state (settled), the history rows of both
-# moves (submitted, settled) in one INSERT, the merchant endpoints read once for both; the attempt
-# closed with the attempts the gateway's news resolves (one UPDATE); the payment's sums; the verdict's gateway
-# answer, returning the verdict the audit entry vouches for (with the history row just written, not
-# read back); the audit entry; COMMIT. (32 before issue 31: each move saved, its history row written
-# and the endpoints read, and the history row and verdict read back for the audit entry.)
-WORKER_SETTLE_STATEMENTS = 26
+# The worker paying one approved refund on the sandbox (settle delay zero), counted on the wire, each
+# line a round trip: the refund and its payment read; BEGIN; the payment's lock; the refund's (the
+# payment named by the refund just read); the attempts not yet finished (one query: a live lease or
+# an unknown answer); the attempt; COMMIT; the sandbox's own two (its control row; the charge's
+# refunded total raised and its refund inserted in one statement; eight before: its key looked up,
+# BEGIN, the charge locked, the key again under it, the charge, its refund, COMMIT); BEGIN; the two
+# locks (the refund's without its payment again); the refund saved once in its last state (settled),
+# the columns that changed; the history rows of both moves (submitted, settled) in one INSERT with
+# the merchant endpoints, read once for both; the attempt closed with the attempts the gateway's news
+# resolves (one UPDATE) with the payment's sums; the verdict's gateway answer, returning the verdict
+# the audit entry vouches for (with the history row just written, not read back); the audit entry;
+# COMMIT. The answer's writes that nothing reads before the commit ride with the next statement
+# (psycopg's pipeline, refundops.batching): Django's CaptureQueriesContext sees 17 execute() calls.
+# (32 statements before issue 31: each move saved, its history row written and the endpoints read,
+# and the history row and verdict read back for the audit entry; then 26 in 26 round trips until
+# the sandbox's one statement, 20 in 20 until the answer's batch.)
+WORKER_SETTLE_ROUND_TRIPS = 18
+WORKER_SETTLE_STATEMENTS = 20
+WORKER_SETTLE_EXECUTES = 17
 
 
-def test_the_worker_settles_an_approved_refund_in_26_statements_and_pays_it_once(api, policy, monkeypatch):
+def test_the_worker_settles_an_approved_refund_in_18_round_trips_of_20_statements_and_pays_it_once(api, policy, monkeypatch):
     from processors import sandbox
     from processors.models import SandboxRefund
     from refundops.models import GatewayAttempt
@@ -96,10 +103,12 @@ def test_the_worker_settles_an_approved_refund_in_26_statements_and_pays_it_once
     refund_id = response.json()["refund"]["id"]
     connection.close()  # a fresh connection, as a worker's task starts with
 
-    with CaptureQueriesContext(connection) as queries:
+    with CaptureQueriesContext(connection) as queries, on_the_wire(connection) as wire:
         refund = payouts.submit_refund(refund_id=refund_id)
 
-    assert len(queries) == WORKER_SETTLE_STATEMENTS, "\n".join(q["sql"][:100] for q in queries)
+    sent_sql = "\n".join(" ;".join(text[:60] for text in trip) for trip in wire.trips)
+    assert (wire.round_trips, wire.statements) == (WORKER_SETTLE_ROUND_TRIPS, WORKER_SETTLE_STATEMENTS), sent_sql
+    assert len(queries) == WORKER_SETTLE_EXECUTES, "\n".join(q["sql"][:100] for q in queries)
     assert refund.status == RefundState.SETTLED
     (paid,) = SandboxRefund.objects.filter(metadata__refund_id=refund_id)
     assert (paid.amount_minor, paid.reference) == (1_250, refund.processor_refund_id)

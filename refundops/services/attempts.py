@@ -22,6 +22,7 @@ from django.db.models import Min, Q
 from django.utils import timezone
 
 from processors.base import ProcessorUnavailable
+from refundops import batching
 from refundops.models import GatewayAttempt, Refund, RefundState
 from refundops.rows import Columns, db, save_new
 
@@ -187,10 +188,9 @@ def close_with_news(attempt: GatewayAttempt, refund: Refund, processor_refund_id
         resolve_by_news(refund, processor_refund_id)
         return
     open_ones = [Outcome.LIVE.value, Outcome.UNKNOWN.value]
-    with wrapper.cursor() as cursor:
-        cursor.execute(_close_with_news_sql(), [
-            timezone.now(), processor_refund_id, attempt.pk, attempt.pk, NEWS,
-            attempt.pk, [*open_ones, Outcome.ABSENT.value], refund.pk, idempotency_key(refund), open_ones])
+    batching.defer(_close_with_news_sql(), [  # nothing reads it before the commit: with the next statement
+        timezone.now(), processor_refund_id, attempt.pk, attempt.pk, NEWS,
+        attempt.pk, [*open_ones, Outcome.ABSENT.value], refund.pk, idempotency_key(refund), open_ones])
 
 
 NEWS = "resolved by the gateway's news of this refund"

@@ -8,6 +8,7 @@ looked up at the gateway before anything else is decided (``services/attempts.py
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -32,7 +33,7 @@ from processors.base import (
     RefundResult,
 )
 from processors.registry import get_processor
-from refundops import metrics, outbound
+from refundops import batching, metrics, outbound
 from refundops.locks import lock_payment, lock_refund, read_refund
 from refundops.models import GatewayAttempt, LedgerDiscrepancy, Payment, Refund, RefundState
 from refundops.rows import Columns, db, save_new
@@ -273,15 +274,26 @@ def approved_by_a_person(refund: Refund) -> bool:
     return refund.history.filter(status__in=(RefundState.HELD, RefundState.FAILED)).exists()
 
 
-@transaction.atomic
 def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: GatewayAttempt | None = None,
                           payment_id: str | None = None) -> Refund:
     """Apply what the gateway says of one refund. Idempotent: the same answer twice changes nothing.
     A gateway refund that paid money is never dropped: it settles the refund whatever we thought
     of it, or, where our ledger cannot take it, it is raised to a person. The ``attempt`` that got
     this answer is closed in the same transaction, so no worker sees it closed and the refund unpaid.
-    ``payment_id``: the refund's payment, when the caller has it (it spares a query)."""
+    ``payment_id``: the refund's payment, when the caller has it (it spares a query).
+    In a transaction of its own (the worker's answer, a webhook's, a sync's) its statements go in
+    psycopg's pipeline (``batching.batch``): the writes nothing reads before the commit (the history
+    rows, the attempt closed, the audit entry) ride with the next statement. Inside a caller's
+    transaction (``resolve_unknown_attempts``) as they come: a batch is the outermost block's."""
+    outermost = not db().in_atomic_block
+    with transaction.atomic(), (batching.batch() if outermost else contextlib.nullcontext()):
+        return _record_gateway_result(refund_id=refund_id, result=result, attempt=attempt, payment_id=payment_id)
+
+
+def _record_gateway_result(*, refund_id: str, result: RefundResult, attempt: GatewayAttempt | None,
+                           payment_id: str | None) -> Refund:
     refund = _lock(refund_id, payment_id=payment_id)
+    as_locked = dict(vars(refund))  # what _save compares with: only what changed is written
 
     def close(*, news: bool) -> None:
         """The attempt closed, and with ``news`` the refund's other calls resolved: one statement.
@@ -332,7 +344,7 @@ def record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gate
     elif refund.status in (RefundState.APPROVED, RefundState.SUBMITTED) and result.status == "canceled":
         refund.cancel(message="The gateway canceled the refund.")
         moves.append(_moved(refund, "gateway canceled the refund", previous=leaving))
-    history = _save(refund, moves) if moves else None
+    history = _save(refund, moves, as_locked=as_locked) if moves else None
     close(news=bool(result.processor_refund_id) and refund.processor_refund_id == result.processor_refund_id)
     if refund.status != before:
         sync_payment_amounts(refund.payment)
@@ -489,14 +501,18 @@ def _moved(refund: Refund, reason: str, *, previous: str) -> Move:
     return copy.copy(refund), previous, f"{WORKER}: {reason}", timezone.now()
 
 
-def _save(refund: Refund, moves: list[Move]):
+def _save(refund: Refund, moves: list[Move], *, as_locked: dict[str, Any] | None = None):
     """Save the refund's ``moves`` (a payment settled at once is submitted, then settled) in its
     transaction: one UPDATE in the last state, a history row for each move in one INSERT (what
     simple_history would write on a save after each, without its post_save's per-save manager class),
-    the merchant endpoints read once and each move announced. Returns the last history row."""
+    the merchant endpoints read once and each move announced. Returns the last history row.
+    ``as_locked``: the refund's attributes as its lock read them (``vars``); then the UPDATE sets only
+    the columns that differ (Django's ``update_fields``; the row is locked, so the rest are as read),
+    and ``updated_at``, and any list or dict (changed in place, it would compare equal)."""
+    fields = None if as_locked is None else _changed_fields(refund, as_locked)
     refund.skip_history_when_saving = True  # written below, every move's row at once
     try:
-        refund.save()
+        refund.save(update_fields=fields)
     finally:
         del refund.skip_history_when_saving
     for state, *_ in moves:
@@ -508,6 +524,14 @@ def _save(refund: Refund, moves: list[Move]):
     return rows[-1]
 
 
+def _changed_fields(refund: Refund, as_locked: dict[str, Any]) -> list[str]:
+    missing = object()
+    return [field.name for field in _REFUND_FIELDS
+            if field.name == "updated_at" or isinstance(value := getattr(refund, field.attname), (list, dict))
+            or value != as_locked.get(field.attname, missing)]
+
+
+_REFUND_FIELDS = tuple(f for f in Refund._meta.concrete_fields if not f.primary_key)
 _VERDICT = Columns(Verdict, "v")
 
 
