@@ -1,6 +1,6 @@
 """Benchmark: a verdict INSERT with random-hex ids vs time-ordered ids (issue 31, last paragraph).
 
-    python bench/ids.py [--rows 3000000] [--inserts 2000] [--keep]
+    python bench/ids.py [--rows 3000000] [--inserts 3000] [--warmup 1000] [--no-fsync-wait] [--keep | --reuse]
 
 Needs only psycopg: no Django. In a database of its own (``refundops_bench_ids``, dropped and
 created; dropped again at the end unless ``--keep``) it builds three tables shaped like
