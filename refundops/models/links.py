@@ -7,14 +7,15 @@ from django.db import models
 from django.db.models import Q
 from simple_history.models import HistoricalRecords
 
-from audit.ids import new_id
+from audit.ids import new_id, new_secret
 from processors.money import CURRENCY_CHOICES, Money
 from refundops.models.agents import Agent
 from refundops.models.payments import Payment
 
 
 def new_payment_link_id() -> str:
-    return new_id("pl")
+    # The sandbox's payment page (/pay/<id>) asks for nothing else: the id is the link's secret.
+    return new_secret("pl")
 
 
 def new_dispute_id() -> str:

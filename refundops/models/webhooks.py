@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db import models
 from simple_history.models import HistoricalRecords
 
-from audit.ids import new_id
+from audit.ids import new_id, new_secret
 from refundops.models.merchants import DEFAULT_MERCHANT_ID
 
 
@@ -18,7 +18,7 @@ def new_delivery_id() -> str:
 
 
 def new_webhook_secret() -> str:
-    return new_id("whsec")
+    return new_secret("whsec")
 
 
 class MerchantEndpoint(models.Model):
