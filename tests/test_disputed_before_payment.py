@@ -19,6 +19,9 @@ from approvals.services import approve_refund
 from audit.models import AuditEntry
 from django.utils import timezone
 
+from processors.base import RefundRequest
+from processors.money import Money
+from processors.registry import get_processor
 from refundops.models import GatewayAttempt, MerchantEndpoint, Payment, Refund, RefundState, WebhookDelivery
 from refundops.services import attempts, payouts
 from tests.conftest import post
@@ -208,3 +211,28 @@ def test_a_refund_a_person_pays_on_a_disputed_payment_marks_it_paid_twice(api, p
     assert payment.paid_twice is True
     assert AuditEntry.objects.filter(action="payment.paid_twice", subject_id=payment.pk,
                                      data__refund_id=refund.pk).count() == 1
+
+
+@pytest.mark.parametrize("dispute", ["open", "lost"])
+def test_a_refund_made_on_the_gateway_dashboard_of_a_disputed_payment_marks_it_paid_twice(
+        policy, gateways, stripe_fake, dispute):
+    """Money left on the gateway directly (its dashboard), after the dispute: a person paid it, as
+    through our approval. On daa024f ``paid_twice`` stayed false: only record_gateway_result marked
+    it, and record_external_refund (webhook, reconciliation, import) never did."""
+    payment = stripe_payment(stripe_fake, 5_000)
+    dispute_id = (open_dispute if dispute == "open" else lost_dispute)(stripe_fake, payment)
+    made = get_processor("stripe").refund(RefundRequest(
+        payment=payouts.payment_ref(payment), amount=Money(1_200, "USD"), reason="customer_request",
+        idempotency_key=f"dashboard-{uuid.uuid4().hex}", refund_id="", verdict_id=""))
+    stripe_fake.refunds[made.processor_refund_id]["metadata"] = {}
+
+    answer = post_stripe_event(Client(), stripe_event("charge.refund.updated",
+                                                      dict(stripe_fake.refunds[made.processor_refund_id])))
+
+    assert answer.status_code == 200
+    refund = Refund.objects.get(payment=payment)
+    assert refund.origin == Refund.Origin.EXTERNAL and refund.status == RefundState.SETTLED
+    payment.refresh_from_db()
+    assert payment.paid_twice is True
+    entry = AuditEntry.objects.get(action="payment.paid_twice", subject_id=payment.pk)
+    assert entry.data["refund_id"] == refund.pk and entry.data["processor_dispute_id"] == dispute_id

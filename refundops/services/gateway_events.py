@@ -43,7 +43,7 @@ from refundops.models import (
 )
 from refundops.services import attempts
 from refundops.services.payments import mark_payment_link_paid
-from refundops.services.payouts import record_gateway_result
+from refundops.services.payouts import mark_paid_twice_if_disputed, record_gateway_result
 from refundops.services.reconciliation import raise_discrepancy
 from refundops.services.refunds import estimate_arrival, sync_payment_amounts
 
@@ -290,6 +290,7 @@ def record_external_refund(*, payment_id: str, result: RefundResult, reason: str
     for waiting in to_cancel:
         _cancel_to_make_room(waiting, event=event)
     sync_payment_amounts(payment)
+    mark_paid_twice_if_disputed(refund, actor=ACTOR)  # a person paid it on the gateway, disputed or not
     record_audit(actor=ACTOR, action="refund.external_recorded", subject_type="refund", subject_id=refund.pk,
                  data={"payment_id": payment.pk, "processor_refund_id": result.processor_refund_id,
                        "amount_minor": refund.amount_minor, "currency": refund.currency,

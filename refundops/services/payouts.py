@@ -349,7 +349,7 @@ def _record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gat
     if refund.status != before:
         sync_payment_amounts(refund.payment)
         if paid and before not in (RefundState.SUBMITTED, RefundState.SETTLED):
-            _mark_paid_twice_if_disputed(refund)
+            mark_paid_twice_if_disputed(refund)
         gateway_response = {**asdict(result), "amount": asdict(result.amount)}
         verdict = _answer_on_verdict(refund.verdict_id, gateway_response)
         action = "refund.reinstated" if before in (RefundState.FAILED, RefundState.CANCELED) else f"refund.{refund.status}"
@@ -361,17 +361,17 @@ def _record_gateway_result(*, refund_id: str, result: RefundResult, attempt: Gat
     return refund
 
 
-def _mark_paid_twice_if_disputed(refund: Refund) -> None:
+def mark_paid_twice_if_disputed(refund: Refund, *, actor: str = WORKER) -> None:
     """Money left for a refund of a payment whose dispute is open or lost (a person paid it knowing,
-    or the dispute came while the call was out): the customer may have it back twice, and a person
-    sees it, as when the dispute comes after the refund (gateway_events._paid_twice). The caller
-    holds the payment's lock."""
+    on our side or on the gateway's dashboard, or the dispute came while the call was out): the
+    customer may have it back twice, and a person sees it, as when the dispute comes after the
+    refund (gateway_events._paid_twice). The caller holds the payment's lock."""
     payment = refund.payment
     if not payment.is_disputed or payment.paid_twice:
         return
     payment.paid_twice = True
     Payment.objects.filter(pk=payment.pk).update(paid_twice=True)
-    record_audit(actor=WORKER, action="payment.paid_twice", subject_type="payment", subject_id=payment.pk,
+    record_audit(actor=actor, action="payment.paid_twice", subject_type="payment", subject_id=payment.pk,
                  data={"refund_id": refund.pk, "processor_dispute_id": payment.dispute_reference,
                        "dispute_status": payment.dispute_status, "amount_refunded_minor": payment.amount_refunded_minor,
                        "amount_reserved_minor": payment.amount_reserved_minor})
