@@ -35,7 +35,7 @@ from pathlib import Path
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
-DB_NAME = "refundops_bench_evidence"
+DB_NAME = os.environ.get("BENCH_DATABASE", "refundops_bench_evidence")  # another name: a run of its own
 PG = "postgres://postgres@127.0.0.1:5432"
 START, END = datetime(2026, 10, 1, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC)  # END exclusive
 QUARTER = "(timestamptz '2026-10-01 00:00+00' + (i::float / %(n)s) * interval '92 days')"

@@ -26,7 +26,7 @@ import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-DB_NAME = "refundops_bench_verify"
+DB_NAME = os.environ.get("BENCH_DATABASE", "refundops_bench_verify")  # another name: a run of its own
 PG = "postgres://postgres@127.0.0.1:5432"
 
 
