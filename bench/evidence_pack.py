@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/evidence_pack.py [--refunds 200000] [--reuse]
 
-Recreates the database ``refundops_bench_evidence`` (PostgreSQL on 127.0.0.1), migrates it and seeds
-the quarter 2026-10-01..2026-12-31 with set-based SQL (``INSERT … SELECT … FROM generate_series``,
-as bench/admin_scale.py does): per refund one payment, one verdict with its running totals, one
+Recreates the database ``refundops_bench_evidence`` (or ``$BENCH_DATABASE``; PostgreSQL on 127.0.0.1),
+migrates it and seeds the quarter 2026-10-01..2026-12-31 with set-based SQL (``INSERT … SELECT …
+FROM generate_series``, as bench/admin_scale.py does): per refund one payment, one verdict with its running totals, one
 gateway attempt when it was paid, and one audit entry; a customer for every ten payments; limits
 and an agent in force from before the quarter. The audit entries need the key's MAC, so they are
 written from Python (COPY) and sealed by the real sealer: the pack's ``verify_audit`` walks a chain

@@ -141,7 +141,8 @@ def test_a_worker_that_cannot_read_a_record_leaves_its_range_to_this_process(ran
     assert ranges[-1] == {"ranges": 2, "taken": 1, "checked_here_from": 6}
     Verdict.objects.filter(pk=verdict.pk).update(amount_minor=1)
     one = outcome("--processes", "1")
-    assert f"audit entry #9 (id {entry.pk}, refund.approved refund:rf_v) does not verify: the verdict {verdict.pk}" in one
+    assert (f"audit entry #9 (id {entry.pk}, refund.approved refund:rf_v) does not verify: "
+            f"the verdict {verdict.pk}") in one
     assert outcome("--processes", "2") == one
 
 
