@@ -15,7 +15,7 @@ import base64
 import hashlib
 import json
 import zipfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from importlib.metadata import PackageNotFoundError, version
@@ -25,7 +25,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from django.db.models import OuterRef, Q
+from django.db.models import Exists, OuterRef, Q
 from django.template.loader import render_to_string
 from django.utils import timezone
 
@@ -414,44 +414,6 @@ def over_limits_in_force(*, totals: dict, amount: int, bounds: dict[str, int], b
 RESUBMIT = "refund.resubmit"  # refundops.services.refunds.RESUBMIT: a person sends a failed refund again
 
 
-def _paid_in_period(period: Period) -> Iterator[list[Any]]:
-    """The refunds paid in the period, oldest first, each with its first verdict, its latest
-    resubmission's (``JSONObject``) and whether a ``refund.approved`` entry names it. The approvals
-    are read a chunk of refunds at a time, one query on the log's subject index for the chunk's
-    ids, not one probe a refund (a per-row EXISTS the planner could not hash at size: 132 s of the
-    pack's 654 at 200,000 refunds); the refunds stream from a server-side cursor."""
-    from django.db.models import Subquery
-    from django.db.models.functions import JSONObject
-
-    from refundops.models import Refund
-    resubmitted = (Verdict.objects.filter(operation=RESUBMIT, refund_id=OuterRef("pk")).exclude(outcome="denied")
-                   .order_by("-created_at", "-pk").values(last=JSONObject(
-                       id="pk", outcome="outcome", checks="checks", totals="totals", at="created_at"))[:1])
-    refunds = (Refund.objects.filter(status__in=PAID_STATES).filter(_in_period(period, "submitted_at"))
-               .annotate(resubmission=Subquery(resubmitted)).order_by("submitted_at", "pk"))
-    if period.merchant_id:
-        refunds = refunds.filter(payment__merchant_id=period.merchant_id)
-    approvals = AuditEntry.objects.filter(action="refund.approved", subject_type="refund").order_by()
-    chunk: list[list[Any]] = []
-
-    def with_approvals() -> Iterator[list[Any]]:
-        approved = set(approvals.filter(subject_id__in=[row[0] for row in chunk]).values_list("subject_id", flat=True))
-        for row in chunk:
-            row.insert(10, row[0] in approved)
-            yield row
-
-    for row in refunds.values_list(
-            "pk", "submitted_at", "status", "origin", "amount_minor", "currency", "verdict_id", "verdict__outcome",
-            "verdict__checks", "verdict__totals", "verdict__created_at", "agent_id", "agent_session_id",
-            "resubmission").iterator(chunk_size=CHUNK):
-        chunk.append(list(row))
-        if len(chunk) == CHUNK:
-            yield from with_approvals()
-            chunk = []
-    if chunk:
-        yield from with_approvals()
-
-
 def paid_refunds(period: Period, control: Control):
     """Every refund paid in the period has an approving verdict (approved, or held and approved by a
     person with the authority), no check of that verdict failed, and the running totals it recorded
@@ -460,12 +422,28 @@ def paid_refunds(period: Period, control: Control):
     refund again (the refund keeps pointing at its first), else the first. The agent and session
     bounds apply by the refund's own agent and session: a resubmission is asked by a person, yet the
     policy held it to the agent's bounds."""
+    from django.db.models import Subquery
+    from django.db.models.functions import JSONObject
     from django.utils.dateparse import parse_datetime
 
+    from refundops.models import Refund
     limits = _limits_over_time()
+    approved_by_person = AuditEntry.objects.filter(action="refund.approved", subject_type="refund",
+                                                   subject_id=OuterRef("pk"))
+    resubmitted = (Verdict.objects.filter(operation=RESUBMIT, refund_id=OuterRef("pk")).exclude(outcome="denied")
+                   .order_by("-created_at", "-pk").values(last=JSONObject(
+                       id="pk", outcome="outcome", checks="checks", totals="totals", at="created_at"))[:1])
+    refunds = (Refund.objects.filter(status__in=PAID_STATES).filter(_in_period(period, "submitted_at"))
+               .annotate(person_approved=Exists(approved_by_person), resubmission=Subquery(resubmitted))
+               .order_by("submitted_at", "pk"))
+    if period.merchant_id:
+        refunds = refunds.filter(payment__merchant_id=period.merchant_id)
 
     def rows():
-        for *r, decided_at, agent_id, session_id, again in _paid_in_period(period):
+        for *r, decided_at, agent_id, session_id, again in refunds.values_list(
+                "pk", "submitted_at", "status", "origin", "amount_minor", "currency", "verdict_id", "verdict__outcome",
+                "verdict__checks", "verdict__totals", "person_approved", "verdict__created_at", "agent_id",
+                "agent_session_id", "resubmission").iterator(chunk_size=CHUNK):
             if again:
                 r[6:10] = again["id"], again["outcome"], again["checks"], again["totals"]
                 decided_at = parse_datetime(again["at"])

@@ -400,11 +400,11 @@ def test_a_verdict_at_the_very_moment_limits_changed_is_judged_by_the_new_versio
     assert paid[before_any.pk].startswith("no USD limits were in force")
 
 
-def test_person_approvals_of_paid_refunds_are_read_a_chunk_at_a_time_and_found_across_chunks(
+def test_person_approvals_of_paid_refunds_are_found_whatever_the_chunk_the_refunds_stream_in(
         tmp_path, signing, monkeypatch):
-    """The paid refunds' approvals are one query per chunk of refunds (not a probe of the log per
-    refund): held refunds approved by a person in any chunk pass, those nobody approved fail, and the
-    CSV is the same whatever the chunk."""
+    """Held refunds a person approved pass, those nobody approved fail, in any chunk of the server-side
+    cursor, and the CSV is the same whatever the chunk (kept while trying the approvals a chunk at a
+    time: docs/PERFORMANCE.md says why that was not kept)."""
     from audit import evidence
     from audit.services import record_audit
 
