@@ -143,7 +143,15 @@ def walk(*, processes: int, batch_size: int, progress: chain._Progress,
     bounds = [None, *(last * k // processes for k in range(1, processes)), None]
     said: queue.Queue = queue.Queue()
     job = _job(batch_size=batch_size, head=head)
-    ranges = [_Range(k, {**job, "lo": lo, "hi": hi}, said) for k, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    ranges: list[_Range] = []
+    try:
+        for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            ranges.append(_Range(k, {**job, "lo": lo, "hi": hi}, said))
+    except OSError as cannot:  # no process to be had (limits, a read-only interpreter): one walk, here
+        log.warning("verify_audit: checking the chain in one process: %s", cannot)
+        for started in ranges:
+            started.stop()
+        return (yield from chain._walk(batch_size=batch_size, progress=progress, head=head))
     run = {"ranges": len(ranges), "taken": 0, "checked_here_from": None}
     try:
         checked, prev_hash, after = 0, GENESIS, None
