@@ -28,17 +28,11 @@ Our own code, not a library's: no maintained package keys and seals an append-on
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import hmac
-import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from datetime import UTC, date, datetime, time, timedelta
-from decimal import Decimal
+from collections.abc import Iterator, Sequence
+from datetime import datetime, timedelta
 from typing import Any
-from uuid import UUID
 
 from django.apps import apps
 from django.conf import settings
@@ -46,62 +40,22 @@ from django.db import connection, models, transaction
 from django.db.models import Count
 from django.utils import timezone
 
+from audit import walk
 from audit.models import AuditEntry, Verdict
+from audit.walk import GENESIS, Head
 
 log = logging.getLogger("refundops.audit")
 
-GENESIS = "0" * 64
 VERDICTS_CHAINED = "verdicts.chained"
 _CHAIN_LOCK_ID = 0x52454655  # "REFU": held by the sealer only, never by a request
 
 
-_AS_IS = frozenset({str, int, bool})
-
-
-def _plain(value: Any) -> Any:
-    """One spelling per value, whether it comes from memory or back from the database (jsonb
-    gives 1e2 back as 100, a datetime comes back in UTC, a Decimal with its field's places)."""
-    if value is None or type(value) in _AS_IS:  # most values: spelled as they are (not a subclass)
-        return value
-    if isinstance(value, dict):  # a plain value inside is kept without a call (most of a verdict's)
-        return {k if type(k) is str else str(k): v if v is None or type(v) in _AS_IS else _plain(v)
-                for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [v if v is None or type(v) in _AS_IS else _plain(v) for v in value]
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, datetime):
-        return value.astimezone(UTC).isoformat()
-    if isinstance(value, Decimal):
-        return format(value.normalize(), "f")
-    if isinstance(value, date | time):
-        return value.isoformat()
-    if isinstance(value, UUID):
-        return str(value)
-    if isinstance(value, bytes | memoryview):
-        return bytes(value).hex()
-    return value
-
-
-# What json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False) builds on each
-# call, built once: verify_audit spells millions of values.
-_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
 def canonical(value: Any) -> bytes:
-    return _CANONICAL.encode(_plain(value)).encode()
-
-
-@functools.lru_cache(maxsize=4)
-def _keyed(key: str) -> hmac.HMAC:
-    """HMAC-SHA256 with the key already absorbed; ``.copy()`` it per message (a third of the cost)."""
-    return hmac.new(key.encode(), digestmod=hashlib.sha256)
+    return walk.canonical(value)
 
 
 def _hmac(message: bytes) -> str:
-    keyed = _keyed(settings.AUDIT_KEY).copy()
-    keyed.update(message)
-    return keyed.hexdigest()
+    return walk.keyed_hmac(settings.AUDIT_KEY, message)
 
 
 def _mac(value: Any) -> str:
@@ -122,7 +76,7 @@ def row_digest(row: models.Model) -> str:
 
 def values_digest(label: str, names: Sequence[str], values: Sequence[Any]) -> str:
     """``row_digest`` of a row read as values (``values_list(*sealed_fields(model))``), no instance built."""
-    return hashlib.sha256(canonical({"model": label, "fields": dict(zip(names, values, strict=True))})).hexdigest()
+    return walk.values_digest(label, names, values)
 
 
 def record_of(row: models.Model) -> dict[str, Any]:
@@ -137,8 +91,8 @@ def entry_mac(entry: AuditEntry) -> str:
 
 
 def _entry_mac(uid, created_at, actor, action, subject_type, subject_id, data, records) -> str:
-    return _mac({"uid": uid, "created_at": created_at, "actor": actor, "action": action,
-                 "subject_type": subject_type, "subject_id": subject_id, "data": data, "records": records})
+    return walk.entry_mac_of(settings.AUDIT_KEY, uid, created_at, actor, action, subject_type, subject_id, data,
+                             records)
 
 
 def link_hash(entry: AuditEntry) -> str:
@@ -147,24 +101,6 @@ def link_hash(entry: AuditEntry) -> str:
 
 def _link_hash(seq: int, prev_hash: str, pk: int, mac: str) -> str:
     return _mac({"seq": seq, "prev_hash": prev_hash, "id": pk, "mac": mac})
-
-
-@dataclass(frozen=True)
-class Head:
-    """The last sealed entry, ``SEQ:HASH``: what an operator keeps outside the database."""
-
-    seq: int
-    hash: str
-
-    @classmethod
-    def parse(cls, text: str) -> Head:
-        seq, _, digest = text.strip().partition(":")
-        if not seq.isdigit() or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-            raise ValueError(f"expected SEQ:HASH as printed by `manage.py audit_head`, got {text.strip()!r}")
-        return cls(int(seq), digest)
-
-    def __str__(self) -> str:
-        return f"{self.seq}:{self.hash}"
 
 
 def chain_head() -> Head:
@@ -244,15 +180,18 @@ def overdue(*, now: datetime | None = None) -> list[AuditEntry]:
     return list(AuditEntry.objects.filter(seq__isnull=True, created_at__lt=cutoff).order_by("pk"))
 
 
+def _verbose_name(label: str) -> str | None:
+    try:
+        return apps.get_model(label)._meta.verbose_name
+    except LookupError:
+        return None
+
+
 def _records_fault(chunk: Sequence[tuple]) -> tuple[int, str] | None:
     """The first entry of ``chunk`` (rows of ``_ENTRY_COLUMNS``) whose recorded rows are gone or
     differ: its index and why. The rows are read as values, one query per model, per chunk."""
-    wanted: dict[str, set[Any]] = {}
-    for row in chunk:
-        for record in row[_RECORDS]:
-            wanted.setdefault(record["model"], set()).add(record["pk"])
     digests: dict[tuple[str, Any], str] = {}
-    for label, pks in wanted.items():
+    for label, pks in walk.wanted_records(chunk).items():
         try:
             model = apps.get_model(label)
         except LookupError:
@@ -260,49 +199,60 @@ def _records_fault(chunk: Sequence[tuple]) -> tuple[int, str] | None:
         names = sealed_fields(model)
         for pk, *values in model._base_manager.filter(pk__in=pks).values_list("pk", *names):
             digests[label, pk] = values_digest(model._meta.label_lower, names, values)
-    for index, row in enumerate(chunk):
-        for record in row[_RECORDS]:
-            try:
-                name = apps.get_model(record["model"])._meta.verbose_name
-            except LookupError:
-                return index, f"it records a row of {record['model']}, a model this install does not have"
-            digest = digests.get((record["model"], record["pk"]))
-            if digest is None:
-                return index, f"the {name} {record['pk']} it records is missing"
-            if not hmac.compare_digest(digest, record["digest"]):
-                return index, f"the {name} {record['pk']} it records was altered"
-    return None
+    return walk.first_records_fault(chunk, digests, _verbose_name)
 
 
 # An entry as verify_chain reads it: values, not a model instance (building one costs more than its MAC).
-_ENTRY_COLUMNS = ("pk", "seq", "uid", "created_at", "actor", "action", "subject_type", "subject_id", "data",
-                  "records", "mac", "prev_hash", "hash")
-_RECORDS = _ENTRY_COLUMNS.index("records")
+_ENTRY_COLUMNS = walk.ENTRY_COLUMNS
 
 
-def _first_broken_link(chunk: Sequence[tuple], *, prev_hash: str, expected: int,
-                       head: Head | None) -> tuple[int, str]:
-    """How many entries of ``chunk`` verify, in order, and why the next one does not ("" if all do)."""
-    for index, (pk, seq, uid, created_at, actor, action, subject_type, subject_id, data, records, mac, prev,
-                digest) in enumerate(chunk):
-        if seq != expected + index:
-            return index, f"entry #{seq} follows #{expected + index - 1}: an entry is missing"
-        if not hmac.compare_digest(mac, _entry_mac(uid, created_at, actor, action, subject_type, subject_id,
-                                                   data, records)):
-            return index, f"entry #{seq} was altered after it was written"
-        # mac matched a hex digest and prev is the hash verified before it (or GENESIS): both hex, so
-        # this is canonical()'s spelling of _link_hash's dict, without its walk over the values.
-        if prev != prev_hash or not hmac.compare_digest(digest, _hmac(
-                f'{{"id":{pk:d},"mac":"{mac}","prev_hash":"{prev}","seq":{seq:d}}}'.encode())):
-            return index, f"entry #{seq} does not link to the entry before it"
-        if head is not None and seq == head.seq and digest != head.hash:
-            return index, f"entry #{seq} does not match the head kept outside the database ({head})"
-        prev_hash = digest
-    return len(chunk), ""
+class _Progress:
+    """verify_chain's progress items: one each ``every`` entries (at the end of the chunk that
+    reaches it), or one a chunk without ``every``."""
+
+    def __init__(self, every: int | None):
+        self.every, self.reported = every, 0
+
+    def at(self, checked: int) -> Iterator[tuple[int, None, str]]:
+        if self.every is None:
+            yield checked, None, ""
+            return
+        while self.reported + self.every <= checked:
+            self.reported += self.every
+            yield self.reported, None, ""
+
+
+def _walk(*, batch_size: int, progress: _Progress, head: Head | None, prev_hash: str = GENESIS, checked: int = 0,
+          after: int | None = None) -> Iterator[tuple[int, AuditEntry | None, str]]:
+    """Check the sealed entries after seq ``after`` (all of them without), in this process, the
+    ``checked`` entries before them verified and the last one's hash ``prev_hash``. Yields progress,
+    then the failure if there is one; returns how many entries verified in all, or None on a failure."""
+    sealed = AuditEntry.objects.filter(seq__isnull=False).order_by("seq").values_list(*_ENTRY_COLUMNS)
+    if after is not None:
+        sealed = sealed.filter(seq__gt=after)
+    chunk: list[tuple] = []
+    while True:
+        chunk = list(sealed.filter(seq__gt=chunk[-1][1])[:batch_size] if chunk else sealed[:batch_size])
+        if not chunk:
+            break
+        verified, why = walk.first_broken_link(chunk, key=settings.AUDIT_KEY, prev_hash=prev_hash,
+                                               expected=checked + 1, head=head)
+        if fault := _records_fault(chunk[:verified]):  # an earlier entry's recorded row is the first fault
+            index, why = fault
+            yield checked + index, _entry(chunk[index]), why
+            return None
+        if why:
+            yield checked + verified, _entry(chunk[verified]), why
+            return None
+        checked, prev_hash = checked + len(chunk), chunk[-1][-1]
+        yield from progress.at(checked)
+        if len(chunk) < batch_size:
+            break
+    return checked
 
 
 def verify_chain(*, batch_size: int = 5000, progress_every: int | None = None, head: Head | None = None,
-                 now: datetime | None = None) -> Iterator[tuple[int, AuditEntry | None, str]]:
+                 now: datetime | None = None, processes: int = 1) -> Iterator[tuple[int, AuditEntry | None, str]]:
     """Yield (sealed entries checked so far, first bad entry or None, why): progress items carry an
     empty why, one for each ``progress_every`` entries (at the end of the chunk that reaches it;
     without it, one a chunk); the last item says "ok" or what is wrong. With ``head`` (exported
@@ -310,31 +260,22 @@ def verify_chain(*, batch_size: int = 5000, progress_every: int | None = None, h
 
     The chain is read ``batch_size`` entries at a time by keyset on ``seq`` (one bounded query a
     chunk, on its unique index), with the rows the chunk's entries record (one query per model):
-    memory is bounded by the chunk, whatever the chain's length or the progress asked for."""
-    prev_hash, checked, reported = GENESIS, 0, 0
-    sealed = AuditEntry.objects.filter(seq__isnull=False).order_by("seq").values_list(*_ENTRY_COLUMNS)
-    chunk: list[tuple] = []
-    while True:
-        chunk = list(sealed.filter(seq__gt=chunk[-1][1])[:batch_size] if chunk else sealed[:batch_size])
-        if not chunk:
-            break
-        verified, why = _first_broken_link(chunk, prev_hash=prev_hash, expected=checked + 1, head=head)
-        if fault := _records_fault(chunk[:verified]):  # an earlier entry's recorded row is the first fault
-            index, why = fault
-            yield checked + index, _entry(chunk[index]), why
-            return
-        if why:
-            yield checked + verified, _entry(chunk[verified]), why
-            return
-        checked, prev_hash = checked + len(chunk), chunk[-1][-1]
-        if progress_every is None:
-            yield checked, None, ""
-        else:
-            while reported + progress_every <= checked:
-                reported += progress_every
-                yield reported, None, ""
-        if len(chunk) < batch_size:
-            break
+    memory is bounded by the chunk, whatever the chain's length or the progress asked for.
+
+    With ``processes`` > 1 (PostgreSQL, a chain of at least ``parallel.MIN_ENTRIES``, outside a
+    transaction: the other processes read what is committed), the chain is split into that many
+    ranges of seq, each checked by its own process (``audit.verify_worker``, the same checks of
+    ``audit.walk``); the results are put together in chain order, so the failure named is the one
+    a single process names (``audit.parallel``)."""
+    progress = _Progress(progress_every)
+    from audit import parallel
+
+    if parallel.usable(processes):
+        checked = yield from parallel.walk(processes=processes, batch_size=batch_size, progress=progress, head=head)
+    else:
+        checked = yield from _walk(batch_size=batch_size, progress=progress, head=head)
+    if checked is None:
+        return
     if head is not None and checked < head.seq:
         missing = f"entry #{head.seq} is" if checked + 1 == head.seq else f"entries #{checked + 1} to #{head.seq} are"
         yield checked, None, (f"the chain ends at #{checked} but the head kept outside the database is "

@@ -32,6 +32,7 @@ from django.utils import timezone
 from audit.chain import GENESIS, Head, seal, verify_chain
 from audit.exports import csv_lines
 from audit.models import AuditEntry, Verdict
+from audit.parallel import default_processes
 
 CHUNK = 2_000  # rows per round trip of a server-side cursor
 LISTED_EXCEPTIONS = 200  # by id in the summary per control; every one is in the control's CSV
@@ -592,7 +593,7 @@ def chain_segment(period: Period, control: Control):
     # its clock reads otherwise (the sealer orders by id, not by time).
     segment = AuditEntry.objects.filter(seq__gt=start.seq, seq__lte=end.seq).order_by("seq")
     verified = "not run"
-    for _, bad, why in verify_chain():
+    for _, bad, why in verify_chain(processes=default_processes()):  # verify_audit's walk, in as many processes
         if why and why != "" and why != "ok":
             verified = f"does not verify: {why}" + (f" (entry id {bad.pk})" if bad is not None else "")
             control.note_exception(f"#{bad.seq}" if bad is not None and bad.seq else "chain", verified)

@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/evidence_pack.py [--refunds 200000] [--reuse]
 
-Recreates the database ``refundops_bench_evidence`` (PostgreSQL on 127.0.0.1), migrates it and seeds
-the quarter 2026-10-01..2026-12-31 with set-based SQL (``INSERT … SELECT … FROM generate_series``,
-as bench/admin_scale.py does): per refund one payment, one verdict with its running totals, one
+Recreates the database ``refundops_bench_evidence`` (or ``$BENCH_DATABASE``; PostgreSQL on 127.0.0.1),
+migrates it and seeds the quarter 2026-10-01..2026-12-31 with set-based SQL (``INSERT … SELECT …
+FROM generate_series``, as bench/admin_scale.py does): per refund one payment, one verdict with its running totals, one
 gateway attempt when it was paid, and one audit entry; a customer for every ten payments; limits
 and an agent in force from before the quarter. The audit entries need the key's MAC, so they are
 written from Python (COPY) and sealed by the real sealer: the pack's ``verify_audit`` walks a chain
@@ -35,7 +35,7 @@ from pathlib import Path
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
-DB_NAME = "refundops_bench_evidence"
+DB_NAME = os.environ.get("BENCH_DATABASE", "refundops_bench_evidence")  # another name: a run of its own
 PG = "postgres://postgres@127.0.0.1:5432"
 START, END = datetime(2026, 10, 1, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC)  # END exclusive
 QUARTER = "(timestamptz '2026-10-01 00:00+00' + (i::float / %(n)s) * interval '92 days')"

@@ -79,6 +79,8 @@ SLOW_TESTS = {
     "test_operator_traps.py::test_a_configuration_error_is_one_line_saying_what_to_set",
     "test_readme_and_docs.py::test_the_postgresql_command_creates_its_database",
     "test_model.py::test_the_model_holds",
+    "test_evidence_pack.py::test_the_packs_verify_audit_runs_in_processes_and_says_what_one_process_says",
+    "test_audit_parallel.py::test_a_tampered_chain_is_named_by_several_processes_exactly_as_by_one",
     # Subprocess stacks, pooler and sender lifecycles: each has a cheaper sibling left in the fast tier
     # (test_pgbouncer's refusal, test_outbox_sender's producer, test_connection_reuse's wsgi/celery,
     # test_serving's wsgi, test_plain_worker's queues, test_logs' worker).

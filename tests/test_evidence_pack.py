@@ -398,3 +398,67 @@ def test_a_verdict_at_the_very_moment_limits_changed_is_judged_by_the_new_versio
     paid = dict(next(c for c in result.controls if c.slug == "paid_refunds").exceptions)
     assert "limits v2, in force then: global_daily_amount_minor 1400 > 1000" in paid[at_the_change.pk]
     assert paid[before_any.pk].startswith("no USD limits were in force")
+
+
+def test_person_approvals_of_paid_refunds_are_found_whatever_the_chunk_the_refunds_stream_in(
+        tmp_path, signing, monkeypatch):
+    """Held refunds a person approved pass, those nobody approved fail, in any chunk of the server-side
+    cursor, and the CSV is the same whatever the chunk (kept while trying the approvals a chunk at a
+    time: docs/PERFORMANCE.md says why that was not kept)."""
+    from audit import evidence
+    from audit.services import record_audit
+
+    make_limits()
+    RefundLimits.objects.update(created_at=timezone.now() - timedelta(days=3))
+    payment = make_payment(amount=90_000)
+    approved, unapproved = set(), set()
+    for i in range(7):
+        held = Verdict.objects.create(operation="refund.create", outcome="held", totals={"today": 1},
+                                      idempotency_key=f"h{i}")
+        refund = _paid(payment, verdict=held)
+        if i % 3:
+            record_audit(actor="user:approver", action="refund.approved", subject_type="refund", subject_id=refund.pk)
+            approved.add(refund.pk)
+        else:
+            unapproved.add(refund.pk)
+    start, end = _period()
+
+    def paid_control(chunk: int):
+        monkeypatch.setattr(evidence, "CHUNK", chunk)
+        out = tmp_path / f"pack-{chunk}.zip"
+        result = build_pack(start=start, end=end, out=out, signing_key=signing[0])
+        with zipfile.ZipFile(out) as pack:
+            paid_csv = pack.read("controls/paid_refunds.csv")
+        return next(c for c in result.controls if c.slug == "paid_refunds"), paid_csv
+
+    small, small_csv = paid_control(2)
+    large, large_csv = paid_control(2_000)
+    assert {row_id for row_id, _ in small.exceptions} == unapproved and small.rows == 7
+    assert all("no person approved" in why for _, why in small.exceptions)
+    assert small_csv == large_csv
+    rows = {r["refund_id"]: r for r in csv.DictReader(io.StringIO(small_csv.decode()))}
+    assert {rid for rid, r in rows.items() if r["approved_by_person"] == "yes"} == approved
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_packs_verify_audit_runs_in_processes_and_says_what_one_process_says(tmp_path, signing, monkeypatch):
+    from audit import evidence, parallel
+    from tests.test_audit_chain import as_table_owner, sql, write_sealed
+
+    monkeypatch.setattr(parallel, "MIN_ENTRIES", 0)
+    runs: list[dict] = []
+    monkeypatch.setattr(parallel, "observe", runs.append)
+    write_sealed(12)
+    start, end = _period()
+
+    def says(processes: int) -> str:
+        monkeypatch.setattr(evidence, "default_processes", lambda: processes)
+        result = build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+        return result.manifest["audit_chain_heads"]["verify_audit"]
+
+    assert says(2) == "ok" and runs[-1]["ranges"] == 2
+    with as_table_owner():
+        sql("UPDATE audit_auditentry SET actor = 'user:mallory' WHERE seq = 10")
+    one = says(1)
+    assert one.startswith("does not verify: entry #10 was altered after it was written (entry id ")
+    assert says(2) == one and runs[-1] == {"ranges": 2, "taken": 2, "checked_here_from": None}

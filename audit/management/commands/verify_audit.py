@@ -9,6 +9,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from audit.chain import Head, verify_chain
 from audit.models import AuditEntry
+from audit.parallel import default_processes
 
 
 class Command(BaseCommand):
@@ -25,13 +26,18 @@ class Command(BaseCommand):
                             help="report progress on stderr every N entries (default 100000)")
         parser.add_argument("--chunk-size", type=int, default=5_000, metavar="N",
                             help="read and check N entries at a time (default 5000): what bounds memory")
+        parser.add_argument("--processes", type=int, default=default_processes(), metavar="N",
+                            help="check the chain in N ranges at once, one process each (default: this machine's "
+                                 "cores); the failure named is the one a single process names")
 
     def handle(self, *args, head: str | None, head_file: str | None, progress_every: int, chunk_size: int,
-               **options):
+               processes: int, **options):
         if progress_every < 1:
             raise CommandError("--progress-every must be at least 1")
         if chunk_size < 1:
             raise CommandError("--chunk-size must be at least 1")
+        if processes < 1:
+            raise CommandError("--processes must be at least 1")
         try:
             kept = Head.parse(Path(head_file).read_text() if head_file else head) if (head or head_file) else None
         except (OSError, ValueError) as exc:
@@ -40,7 +46,7 @@ class Command(BaseCommand):
             self.stderr.write("No --head given: a deleted tail or an emptied log cannot be told from a shorter "
                               "chain. Keep `manage.py audit_head` outside the database and pass it here.")
         for checked, bad, why in verify_chain(batch_size=chunk_size, progress_every=progress_every,
-                                              head=kept):
+                                              head=kept, processes=processes):
             if why == "":
                 self.stderr.write(f"… {checked} entries verified")
             elif why != "ok":
