@@ -127,6 +127,16 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+DESELECTED = pytest.StashKey[set]()
+
+
+def pytest_deselected(items):
+    """What a -m or -k left out of this run, by node id: collected all the same (test_suite_hygiene)."""
+    if items:
+        config = items[0].config
+        config.stash.setdefault(DESELECTED, set()).update(item.nodeid for item in items)
+
+
 def _a_redis_prefix_per_worker() -> None:
     """Under pytest-xdist (scripts/test runs workers) each worker process has a test database of its
     own (pytest-django names it ``…_gw0``, ``…_gw1``) and here a Redis key prefix of its own, under
