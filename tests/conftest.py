@@ -125,6 +125,12 @@ def pytest_collection_modifyitems(items):
                 or f"{item.path.name}::{item.name}" in SLOW_TESTS  # one case of a parametrized test
                 or item.get_closest_marker("browser")):
             item.add_marker(pytest.mark.slow)
+    # The slow proofs run first (in their files' order, each file's together), the fast tests after.
+    # pytest-xdist's worksteal hands each worker a contiguous half of this list and an idle worker
+    # takes the back half of another's queue: with the long tests in front, what is left at the end
+    # is short tests that spread over both workers. In file order a 1-3 minute proof could start
+    # last in a worker's half and run alone while the other worker had nothing left to take.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 DESELECTED = pytest.StashKey[set]()
