@@ -118,6 +118,7 @@ SLOW_TESTS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-django's own order (below)
 def pytest_collection_modifyitems(items):
     for item in items:
         module = item.path.stem
@@ -125,11 +126,13 @@ def pytest_collection_modifyitems(items):
                 or f"{item.path.name}::{item.name}" in SLOW_TESTS  # one case of a parametrized test
                 or item.get_closest_marker("browser")):
             item.add_marker(pytest.mark.slow)
-    # The slow proofs run first (in their files' order, each file's together), the fast tests after.
-    # pytest-xdist's worksteal hands each worker a contiguous half of this list and an idle worker
-    # takes the back half of another's queue: with the long tests in front, what is left at the end
-    # is short tests that spread over both workers. In file order a 1-3 minute proof could start
-    # last in a worker's half and run alone while the other worker had nothing left to take.
+    # The slow proofs first (in their files' order, each file's together), the fast tests after; then
+    # pytest-django sorts this list, stably, into its groups (tests in a transaction, transactional
+    # tests, tests without the database), so the slow ones lead each group. Never across the groups:
+    # a transactional test's flush deletes what the migrations made (hold rules v1), which the
+    # tests in a transaction read (test_four_eyes failed so). pytest-xdist's worksteal hands each
+    # worker a contiguous half of the list, and an idle worker takes the back half of another's
+    # queue: long tests in front of their group start early rather than last in a worker's half.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
