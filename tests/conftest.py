@@ -120,6 +120,7 @@ SLOW_TESTS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-django's own order (below)
 def pytest_collection_modifyitems(items):
     for item in items:
         module = item.path.stem
@@ -127,6 +128,24 @@ def pytest_collection_modifyitems(items):
                 or f"{item.path.name}::{item.name}" in SLOW_TESTS  # one case of a parametrized test
                 or item.get_closest_marker("browser")):
             item.add_marker(pytest.mark.slow)
+    # The slow proofs first (in their files' order, each file's together), the fast tests after; then
+    # pytest-django sorts this list, stably, into its groups (tests in a transaction, transactional
+    # tests, tests without the database), so the slow ones lead each group. Never across the groups:
+    # a transactional test's flush deletes what the migrations made (hold rules v1), which the
+    # tests in a transaction read (test_four_eyes failed so). pytest-xdist's worksteal hands each
+    # worker a contiguous half of the list, and an idle worker takes the back half of another's
+    # queue: long tests in front of their group start early rather than last in a worker's half.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+DESELECTED = pytest.StashKey[set]()
+
+
+def pytest_deselected(items):
+    """What a -m or -k left out of this run, by node id: collected all the same (test_suite_hygiene)."""
+    if items:
+        config = items[0].config
+        config.stash.setdefault(DESELECTED, set()).update(item.nodeid for item in items)
 
 
 def _a_redis_prefix_per_worker() -> None:
