@@ -19,7 +19,7 @@ from approvals.services import approve_refund
 from audit.models import AuditEntry
 from django.utils import timezone
 
-from processors.base import RefundRequest
+from processors.base import ProcessorUnavailable, RefundRequest
 from processors.money import Money
 from processors.registry import get_processor
 from refundops.models import GatewayAttempt, MerchantEndpoint, Payment, Refund, RefundState, WebhookDelivery
@@ -236,3 +236,27 @@ def test_a_refund_made_on_the_gateway_dashboard_of_a_disputed_payment_marks_it_p
     assert payment.paid_twice is True
     entry = AuditEntry.objects.get(action="payment.paid_twice", subject_id=payment.pk)
     assert entry.data["refund_id"] == refund.pk and entry.data["processor_dispute_id"] == dispute_id
+
+
+def test_a_refund_a_person_approved_on_a_lost_dispute_whose_answer_is_lost_marks_it_paid_twice(
+        api, policy, gateways, stripe_fake):
+    """Found by the model (never_paid_twice_silently, MODEL_SEED=1, example 100, step 4,880, on daa024f
+    with the dashboard fix): the gateway paid, its answer was lost, and until a look-up found the
+    refund (never, on a book that cannot list every refund) the payment was not marked; a dispute
+    that comes while an answer is unknown marks it (gateway_events._paid_twice), this order did not.
+    On 373afd0: paid_twice False."""
+    payment = stripe_payment(stripe_fake, 5_000)
+    lost_dispute(stripe_fake, payment)
+    answer = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 2_000,
+                                           "reason": "customer_request"})
+    approve_refund(refund_id=answer.json()["refund"]["id"], approver=approver(), note="goods never shipped")
+    stripe_fake.set_mode("drop_after", requests=1, path="/v1/refunds")
+
+    with pytest.raises(ProcessorUnavailable):
+        payouts.submit_refund(refund_id=answer.json()["refund"]["id"])
+
+    assert stripe_fake.refund_count == 1  # it paid; we never heard
+    payment.refresh_from_db()
+    assert payment.paid_twice is True
+    entry = AuditEntry.objects.get(action="payment.paid_twice", subject_id=payment.pk)
+    assert entry.data["why"] == "answer unknown"

@@ -66,7 +66,7 @@ from refundops.callers import Caller
 from refundops.models import (COUNTING_STATES, DEFAULT_MERCHANT_ID, GatewayAttempt, LedgerDiscrepancy, Merchant, MerchantEndpoint,
                               Payment, PaymentLinkTemplate, Refund, RefundState)
 from refundops.selectors import running_totals
-from refundops.services import attempts, payouts, reconciliation
+from refundops.services import payouts, reconciliation
 from refundops.services.gateway_events import apply_dispute_news, apply_event
 from refundops.services.refunds import request_refund
 from refundops.services.totals import fold_totals
@@ -389,7 +389,7 @@ class MoneyAndControls(RuleBasedStateMachine):
                 pass
             return
         except ProcessorUnavailable as down:
-            attempts.close_attempt(attempt, GatewayAttempt.Outcome.UNKNOWN, code=down.code, message=down.message)
+            payouts.record_unknown_answer(attempt, payment_id=refund.payment_id, code=down.code, message=down.message)
             return
         payouts.record_gateway_result(refund_id=refund.pk, result=result, attempt=attempt, payment_id=refund.payment_id)
 
@@ -519,7 +519,7 @@ class MoneyAndControls(RuleBasedStateMachine):
         self._coordinates.move_to(to)
         if self.in_flight is not None and to - self.in_flight.started_at >= 2 * LEASE:
             # The slow call timed out before the gateway acted (the SDK gives up): its answer is unknown.
-            attempts.close_attempt(self.in_flight, GatewayAttempt.Outcome.UNKNOWN, code="timeout")
+            payouts.record_unknown_answer(self.in_flight, payment_id=self.in_flight.refund.payment_id, code="timeout")
             self.in_flight = None
         fold_totals()
         for _ in range(sweeps):

@@ -112,12 +112,12 @@ def submit_refund(*, refund_id: str) -> Refund:
         attempts.close_attempt(attempt, Outcome.NOT_SENT, code="gateway_circuit_open")
         raise
     except ProcessorUnavailable as down:  # it may have reached the gateway: ask before anything else
-        attempts.close_attempt(attempt, Outcome.UNKNOWN, code=down.code, message=down.message)
+        record_unknown_answer(attempt, payment_id=refund.payment_id, code=down.code, message=down.message)
         raise
     except ProcessorDeclined as declined:
         return record_gateway_decline(attempt=attempt, code=declined.code, message=declined.message)
     except BaseException as crash:  # a bug or a kill between call and answer: unknown, never "not paid"
-        attempts.close_attempt(attempt, Outcome.UNKNOWN, code="worker_error", message=repr(crash)[:500])
+        record_unknown_answer(attempt, payment_id=refund.payment_id, code="worker_error", message=repr(crash)[:500])
         raise
     return record_gateway_result(refund_id=refund.pk, result=result, attempt=attempt, payment_id=refund.payment_id)
 
@@ -377,6 +377,22 @@ def mark_paid_twice_if_disputed(refund: Refund, *, actor: str = WORKER) -> None:
                        "amount_reserved_minor": payment.amount_reserved_minor})
     log.error("payment %s: refund %s paid while its dispute is %s; it may be paid back twice", payment.pk,
               refund.pk, payment.dispute_status)
+
+
+def record_unknown_answer(attempt: GatewayAttempt, *, payment_id: str, code: str, message: str = "") -> None:
+    """A call whose answer never came: it may have paid. On a payment whose dispute is open or lost
+    (a person approved it) the customer may then have the money twice, so the payment is marked paid
+    twice now, as a dispute that comes while an answer is unknown marks it
+    (gateway_events._paid_twice), not only once a look-up finds the refund: an incomplete book may
+    never find it. One conditional UPDATE, so no lock: dispute news that races it counts the
+    unknown attempt itself."""
+    attempts.close_attempt(attempt, Outcome.UNKNOWN, code=code, message=message)
+    disputed = (Payment.Dispute.OPEN, Payment.Dispute.LOST)
+    if Payment.objects.filter(pk=payment_id, paid_twice=False, dispute_status__in=disputed).update(paid_twice=True):
+        record_audit(actor=WORKER, action="payment.paid_twice", subject_type="payment", subject_id=payment_id,
+                     data={"refund_id": attempt.refund_id, "attempt_id": attempt.pk, "why": "answer unknown"})
+        log.error("payment %s: refund %s's answer is unknown while the payment is disputed; it may be paid back "
+                  "twice", payment_id, attempt.refund_id)
 
 
 def _fits(refund: Refund) -> bool:
