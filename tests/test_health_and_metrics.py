@@ -126,6 +126,7 @@ def test_request_series_name_only_known_methods_whatever_a_client_sends(api):
     for method in ("BREW", "PROPFIND", "XXXXXXXXXXXXXXXXXXXX"):
         assert api.generic(method, "/api/v1/refunds").status_code == 405
     made = {labels for labels in HTTP_REQUESTS._metrics} - before
-    assert made <= {("other", "refund-create", "405")} and made
+    # The one series they share may exist already (an earlier test in this process sent one).
+    assert made <= {("other", "refund-create", "405")} and ("other", "refund-create", "405") in HTTP_REQUESTS._metrics
     api.generic("GET", "/api/v1/payments/txn_nope")
     assert ("GET", "payment-detail", "404") in HTTP_REQUESTS._metrics
