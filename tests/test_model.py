@@ -107,7 +107,8 @@ SEED = os.environ.get("MODEL_SEED")  # scripts/model sets one; CI runs derandomi
 ZONES = ("Atlantic/Azores", "America/Havana", "Asia/Kathmandu", "Australia/Adelaide", "Pacific/Kiritimati",
          "America/Santiago")
 YEAR = 2026
-INCOMPLETE_BOOK = 2  # the payment (its index) whose PayPal capture has no order: its book cannot list every refund
+# The payments (their index) whose PayPal capture has no order: their book cannot list every refund.
+INCOMPLETE_BOOKS = (2, 4)
 SWEEP_LIMIT = 1  # the sync sweep's batch, scaled down with the model's few refunds (production: 500)
 SWEEP_EVERY = timedelta(minutes=10)  # as the beat schedules it
 SUBMITTED_DEADLINE = timedelta(days=3)
@@ -161,7 +162,7 @@ def landmarks(zone: ZoneInfo) -> list[datetime]:
 class MoneyAndControls(RuleBasedStateMachine):
     refunds = Bundle("refunds")
     proposals = Bundle("proposals")
-    # The payments (their index in ``self.payments``) disputes fall on: each of the four once, and
+    # The payments (their index in ``self.payments``) disputes fall on: each once, and
     # again each time a refund's money on it is in doubt (an answer lost, a call held in flight), so
     # a dispute lands where a refund may be paid or not, the edge of findings 27.1 and 27.4.
     payments = Bundle("payments")
@@ -232,6 +233,7 @@ class MoneyAndControls(RuleBasedStateMachine):
             make_payment(amount=8_000, currency="EUR", customer=b, captured_days_ago=0.5),
             self._paypal_payment("50.00", customer=b, with_order=False),  # INCOMPLETE_BOOK: cannot list every refund
             self._paypal_payment("120.00", customer=a, with_order=True),
+            self._paypal_payment("80.00", customer=a, with_order=False),  # INCOMPLETE_BOOKS too
         ]
         for kind, subject in self.world.subjects.items():
             self.model.in_force[(kind, subject)] = {f: _plain(v) for f, v in CONTROLS[kind].current(subject).items()
@@ -247,7 +249,7 @@ class MoneyAndControls(RuleBasedStateMachine):
             method_type="paypal", captured_at=timezone.now() - timedelta(hours=12))
 
     # -- refunds ---------------------------------------------------------------------------------
-    @rule(target=refunds, by_agent=st.booleans(), payment=st.integers(0, 3), amount=st.sampled_from(AMOUNTS))
+    @rule(target=refunds, by_agent=st.booleans(), payment=st.integers(0, 4), amount=st.sampled_from(AMOUNTS))
     def ask_refund(self, by_agent: bool, payment: int, amount: int):
         chosen = self.payments[payment]
         caller = Caller.for_key(self.world.agent_key) if by_agent else Caller.for_user(self.world.sam)
@@ -699,7 +701,7 @@ class MoneyAndControls(RuleBasedStateMachine):
             MoneyAndControls.reached[edge] += 1
 
     def _book_lists_every_refund(self, payment: int) -> bool:
-        return payment != INCOMPLETE_BOOK
+        return payment not in INCOMPLETE_BOOKS
 
     def _disputed(self, payment_id: str) -> bool:
         return Payment.objects.filter(pk=payment_id).exclude(dispute_status=Payment.Dispute.NONE).exists()
