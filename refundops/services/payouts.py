@@ -369,14 +369,10 @@ def mark_paid_twice_if_disputed(refund: Refund, *, actor: str = WORKER) -> None:
     payment = refund.payment
     if not payment.is_disputed or payment.paid_twice:
         return
-    payment.paid_twice = True
-    Payment.objects.filter(pk=payment.pk).update(paid_twice=True)
-    record_audit(actor=actor, action="payment.paid_twice", subject_type="payment", subject_id=payment.pk,
-                 data={"refund_id": refund.pk, "processor_dispute_id": payment.dispute_reference,
-                       "dispute_status": payment.dispute_status, "amount_refunded_minor": payment.amount_refunded_minor,
-                       "amount_reserved_minor": payment.amount_reserved_minor})
-    log.error("payment %s: refund %s paid while its dispute is %s; it may be paid back twice", payment.pk,
-              refund.pk, payment.dispute_status)
+    payment.paid_twice = _flag_paid_twice(
+        payment.pk, refund.pk, actor=actor, why="paid", processor_dispute_id=payment.dispute_reference,
+        dispute_status=payment.dispute_status, amount_refunded_minor=payment.amount_refunded_minor,
+        amount_reserved_minor=payment.amount_reserved_minor)
 
 
 def record_unknown_answer(attempt: GatewayAttempt, *, payment_id: str, code: str, message: str = "") -> None:
@@ -384,15 +380,23 @@ def record_unknown_answer(attempt: GatewayAttempt, *, payment_id: str, code: str
     (a person approved it) the customer may then have the money twice, so the payment is marked paid
     twice now, as a dispute that comes while an answer is unknown marks it
     (gateway_events._paid_twice), not only once a look-up finds the refund: an incomplete book may
-    never find it. One conditional UPDATE, so no lock: dispute news that races it counts the
+    never find it. No lock: the UPDATE is conditional, and dispute news that races it counts the
     unknown attempt itself."""
     attempts.close_attempt(attempt, Outcome.UNKNOWN, code=code, message=message)
+    _flag_paid_twice(payment_id, attempt.refund_id, actor=WORKER, why="answer unknown", attempt_id=attempt.pk)
+
+
+def _flag_paid_twice(payment_id: str, refund_id: str, *, actor: str, why: str, **data: Any) -> bool:
+    """``paid_twice`` set on a payment whose dispute is open or lost and that is not marked yet (one
+    conditional UPDATE), audited; whether it was set now."""
     disputed = (Payment.Dispute.OPEN, Payment.Dispute.LOST)
-    if Payment.objects.filter(pk=payment_id, paid_twice=False, dispute_status__in=disputed).update(paid_twice=True):
-        record_audit(actor=WORKER, action="payment.paid_twice", subject_type="payment", subject_id=payment_id,
-                     data={"refund_id": attempt.refund_id, "attempt_id": attempt.pk, "why": "answer unknown"})
-        log.error("payment %s: refund %s's answer is unknown while the payment is disputed; it may be paid back "
-                  "twice", payment_id, attempt.refund_id)
+    if not Payment.objects.filter(pk=payment_id, paid_twice=False, dispute_status__in=disputed).update(paid_twice=True):
+        return False
+    record_audit(actor=actor, action="payment.paid_twice", subject_type="payment", subject_id=payment_id,
+                 data={"refund_id": refund_id, "why": why, **data})
+    log.error("payment %s: refund %s (%s) while the payment is disputed; it may be paid back twice", payment_id,
+              refund_id, why)
+    return True
 
 
 def _fits(refund: Refund) -> bool:
