@@ -135,3 +135,51 @@ def test_a_lost_answer_on_an_orderless_capture_is_sent_again_with_the_same_key_w
     assert refund.status in (S.SUBMITTED, S.SETTLED) and paypal_fake.refund_count == 1
     outcomes = set(GatewayAttempt.objects.filter(refund_id=refund_id).values_list("outcome", flat=True))
     assert outcomes == {GatewayAttempt.Outcome.SUCCEEDED}
+
+
+def test_a_call_whose_worker_died_on_a_disputed_orderless_capture_marks_the_payment_paid_twice(
+        api, policy, gateways, paypal_fake: FakePayPal):
+    """The hostile review of c7fb027: a worker killed mid-call never reaches record_unknown_answer. Its
+    live attempt, read later in a book that cannot list every refund, is marked unverifiable, and the
+    payment is marked paid twice at that look-up ("answer unverifiable"). On cd99a16 it was marked
+    one step later, when the call sent again with the same key (a person's refund) was answered
+    "paid"; an automatic refund is not sent again and gets a discrepancy instead."""
+    import time_machine
+    from datetime import timedelta
+
+    from approvals.models import ApprovalAuthority
+    from approvals.services import approve_refund
+    from django.conf import settings
+    from django.contrib.auth.models import Permission, User
+    from processors.base import RefundRequest
+    from processors.registry import get_processor
+
+    payment = orderless_paypal_payment(paypal_fake, "50.00")
+    dispute_id = paypal_fake.add_dispute(payment.processor_reference)
+    send_dispute_event(paypal_fake, "CUSTOMER.DISPUTE.CREATED", dispute_id)
+    answer = post(api, "/api/v1/refunds", {"transaction_id": payment.pk, "amount": 3_000,
+                                           "reason": "customer_request"})
+    assert answer.status_code == 202
+    refund_id = answer.json()["refund"]["id"]
+    person = User.objects.create_user("approver-died", is_staff=True)
+    person.user_permissions.add(Permission.objects.get(codename="approve_refund"))
+    ApprovalAuthority.objects.create(user=person, currency="USD", max_amount_minor=100_000)
+    approve_refund(refund_id=refund_id, approver=User.objects.get(pk=person.pk), note="knowingly")
+
+    attempt, refund = payouts._open_attempt(refund_id, payment_id=payment.pk)  # the worker's first half
+    get_processor("paypal", payment.processor_account).refund(RefundRequest(  # PayPal pays; the worker dies
+        payment=payouts.payment_ref(refund.payment), amount=refund.money, reason=refund.reason,
+        idempotency_key=attempt.idempotency_key, refund_id=refund.pk, verdict_id=refund.verdict_id or ""))
+    assert len(paypal_fake.refunds) == 1
+    later = timezone.now() + timedelta(seconds=3 * settings.GATEWAY_ATTEMPT_LEASE_SECONDS)
+    with time_machine.travel(later, tick=False):
+        try:
+            payouts.submit_refund(refund_id=refund_id)  # the next worker looks it up in vain
+        except ProcessorUnavailable:
+            pass
+
+    assert len(paypal_fake.refunds) == 1  # sent again with the same key: the same refund, paid once
+    payment.refresh_from_db()
+    assert payment.paid_twice is True
+    assert AuditEntry.objects.get(action="payment.paid_twice", subject_id=payment.pk).data["why"] == \
+        "answer unverifiable"

@@ -138,12 +138,13 @@ def open_attempt(refund: Refund, *, resend_unverifiable: bool = False,
 
 
 def close_attempt(attempt: GatewayAttempt, outcome: str, *, processor_refund_id: str = "",
-                  code: str = "", message: str = "") -> None:
+                  code: str = "", message: str = "") -> int:
     """Record one attempt's answer. An answer that came after the lease ran out (and someone else
-    looked it up) does not overwrite what they found, unless it is a success: that is news."""
+    looked it up) does not overwrite what they found, unless it is a success: that is news. Answers
+    whether it was recorded (0: a look-up had settled it)."""
     open_ones = (Outcome.LIVE, Outcome.UNKNOWN, Outcome.ABSENT) if outcome == Outcome.SUCCEEDED \
         else (Outcome.LIVE, Outcome.UNKNOWN)
-    GatewayAttempt.objects.filter(pk=attempt.pk, outcome__in=open_ones).update(
+    return GatewayAttempt.objects.filter(pk=attempt.pk, outcome__in=open_ones).update(
         outcome=outcome, finished_at=timezone.now(), processor_refund_id=processor_refund_id,
         error_code=code[:60], error_message=message)
 

@@ -183,6 +183,8 @@ def resolve_unknown_attempts(*, refund_id: str) -> Refund:
                 record_audit(actor=WORKER, action="refund.attempt_unverifiable", subject_type="refund",
                              subject_id=refund.pk, data={"looked_up": len(book.refunds),
                                                          "verdict_id": refund.verdict_id})
+                # A call whose worker died mid-call (never reaching record_unknown_answer) may have paid.
+                _flag_paid_twice(refund.payment_id, refund.pk, actor=WORKER, why="answer unverifiable")
             why = _why_not_sent_again(refund)
             if why:
                 raise_unverifiable(refund, why=why)
@@ -382,18 +384,20 @@ def record_unknown_answer(attempt: GatewayAttempt, *, payment_id: str, code: str
     (gateway_events._paid_twice), not only once a look-up finds the refund: an incomplete book may
     never find it. No lock: the UPDATE is conditional, and dispute news that races it counts the
     unknown attempt itself."""
-    attempts.close_attempt(attempt, Outcome.UNKNOWN, code=code, message=message)
-    _flag_paid_twice(payment_id, attempt.refund_id, actor=WORKER, why="answer unknown", attempt_id=attempt.pk)
+    if attempts.close_attempt(attempt, Outcome.UNKNOWN, code=code, message=message):  # not if a look-up settled it
+        _flag_paid_twice(payment_id, attempt.refund_id, actor=WORKER, why="answer unknown", attempt_id=attempt.pk)
 
 
 def _flag_paid_twice(payment_id: str, refund_id: str, *, actor: str, why: str, **data: Any) -> bool:
     """``paid_twice`` set on a payment whose dispute is open or lost and that is not marked yet (one
     conditional UPDATE), audited; whether it was set now."""
     disputed = (Payment.Dispute.OPEN, Payment.Dispute.LOST)
-    if not Payment.objects.filter(pk=payment_id, paid_twice=False, dispute_status__in=disputed).update(paid_twice=True):
-        return False
-    record_audit(actor=actor, action="payment.paid_twice", subject_type="payment", subject_id=payment_id,
-                 data={"refund_id": refund_id, "why": why, **data})
+    with transaction.atomic():  # the flag and its audit entry, both or neither
+        if not Payment.objects.filter(pk=payment_id, paid_twice=False, dispute_status__in=disputed).update(
+                paid_twice=True):
+            return False
+        record_audit(actor=actor, action="payment.paid_twice", subject_type="payment", subject_id=payment_id,
+                     data={"refund_id": refund_id, "why": why, **data})
     log.error("payment %s: refund %s (%s) while the payment is disputed; it may be paid back twice", payment_id,
               refund_id, why)
     return True
