@@ -58,6 +58,7 @@ def pytest_configure(config):
     # ran for every user made with a password and every sign-in. Subprocesses keep the real one.
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     _flush_past_the_audit_triggers()
+    config.pluginmanager.register(SlowProofsOutsideTheDatabaseFirst(), "slow-proofs-outside-the-database-first")
 
 
 # The slow proofs: a size, a whole stack in subprocesses, a browser or a fuzzer's budget. Every run of
@@ -136,6 +137,26 @@ def pytest_collection_modifyitems(items):
     # worker a contiguous half of the list, and an idle worker takes the back half of another's
     # queue: long tests in front of their group start early rather than last in a worker's half.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+DATABASE_FIXTURES = {"db", "transactional_db", "live_server", "django_db_setup"}
+
+
+def outside_the_test_database(item) -> bool:
+    """pytest-django's last group, and not even a subprocess on the test database: its own
+    database, SQLite, or none (the fixtures that reach the test database are all named here)."""
+    return (item.get_closest_marker("django_db") is None
+            and DATABASE_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
+
+
+class SlowProofsOutsideTheDatabaseFirst:
+    """The harness runs (chaos 72 s, drain 31 s, the lock and volume benches) would start last, in
+    pytest-django's group without the database, and be the run's tail while the other workers
+    idle. They touch no test database, so their place is free: they lead the whole run."""
+
+    @pytest.hookimpl(trylast=True)  # after pytest-django's groups
+    def pytest_collection_modifyitems(self, items):
+        items.sort(key=lambda item: not (item.get_closest_marker("slow") and outside_the_test_database(item)))
 
 
 DESELECTED = pytest.StashKey[set]()

@@ -161,10 +161,10 @@ def check_a_held_refund_approved_in_the_admin_settles(run: Run) -> None:
     assert run.status_within(refund_id, SETTLES_WITHIN, "settled") == "settled", run.logs()
 
 
-@pytest.mark.django_db(transaction=True)
-def test_embedded_then_postgresql_each_gets_a_banner_its_database_accepts_and_refunds_settle(tmp_path):
-    """In both modes the README's refund, and a held one approved in the admin, settle at the
-    sandbox within seconds. (Issue 29, finding 1: embedded mode's outbox claim failed on SQLite.)"""
+def test_embedded_mode_prints_a_banner_its_database_accepts_and_refunds_settle(tmp_path):
+    """The README's refund, and a held one approved in the admin, settle at the sandbox within
+    seconds. (Issue 29, finding 1: embedded mode's outbox claim failed on SQLite.) No test database:
+    SQLite in the var directory, so this start runs beside the database tests, not after them."""
     run = Run(tmp_path, free_port())
     try:
         check_the_banner_tells_the_truth(run)
@@ -174,11 +174,17 @@ def test_embedded_then_postgresql_each_gets_a_banner_its_database_accepts_and_re
         run.stop()
     assert not list(tmp_path.glob("*.tmp"))
 
-    # The same var directory (var/demo.json from the SQLite run is there), now on PostgreSQL.
+
+@pytest.mark.django_db(transaction=True)
+def test_on_postgresql_the_banner_its_database_accepts_and_refunds_settle_past_an_earlier_starts_key(tmp_path):
+    # An earlier start in embedded mode left var/demo.json behind: a key this database never issued.
+    stale = {"agent": {"id": 1, "name": "support-bot", "key": "rk_" + uuid.uuid4().hex, "key_prefix": "rk_stale"}}
+    (tmp_path / "demo.json").write_text(json.dumps(stale))
     run = Run(tmp_path, free_port(), DATABASE_URL=database_url(), REDIS_URL=settings.REDIS_URL,
               REDIS_KEY_PREFIX=settings.REDIS_KEY_PREFIX)
     try:
         check_the_banner_tells_the_truth(run)
+        assert run.key() != stale["agent"]["key"]
         # An approver's first look at the queue shows the job.
         assert Refund.objects.filter(status=RefundState.HELD).count() >= 2
         check_a_held_refund_approved_in_the_admin_settles(run)

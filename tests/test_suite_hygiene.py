@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DESELECTED, SLOW_MODULES, SLOW_TESTS
+from tests.conftest import DESELECTED, SLOW_MODULES, SLOW_TESTS, outside_the_test_database
 from tests.slots import BIG_RACE, BIG_RACE_LOCK, big_race_slot
 
 HOLD_THE_SLOT = (
@@ -59,3 +59,26 @@ def test_every_slow_proof_named_in_conftest_exists(request):
                                    cwd=here.parent, capture_output=True, text=True, timeout=300)
         ids = {line.removeprefix("tests/") for line in collected.stdout.splitlines()}
         assert cases <= ids, (sorted(cases - ids), collected.stdout[-2000:], collected.stderr[-2000:])
+
+
+def test_the_slow_proofs_outside_the_database_lead_and_the_database_groups_keep_their_order(request):
+    """The run's order: the slow tests that touch no test database first (so the harness runs are
+    never the tail), then pytest-django's groups as it made them, never a test in a transaction
+    after a transactional one (whose flush deletes what the migrations made)."""
+    items = [item for item in request.session.items]
+    leading = [outside_the_test_database(item) and item.get_closest_marker("slow") is not None for item in items]
+    first_other = leading.index(False) if False in leading else len(leading)
+    assert not any(leading[first_other:]), "a slow proof outside the database after the others"
+
+    def group(item) -> int:
+        marker = item.get_closest_marker("django_db")
+        fixtures = set(item.fixturenames)
+        if (marker and (marker.kwargs.get("transaction") or marker.kwargs.get("reset_sequences"))) \
+                or fixtures & {"transactional_db", "live_server"}:
+            return 1
+        return 0 if marker or "db" in fixtures else 2
+
+    groups = [group(item) for item in items[first_other:]]
+    assert groups == sorted(groups)
+    if len(items) > 1000:  # the whole suite: the harness runs are among the leaders
+        assert any("test_chaos.py" in item.nodeid for item in items[:first_other])
