@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from processors.money import format_minor
 from refundops.models import HoldRules, Payment, RefundLimits
@@ -80,6 +80,11 @@ class Decision:
         return [{k: v for k, v in vars(c).items() if v not in (None, "", {})} for c in self.checks]
 
 
+# A check's message, or a function that spells it: most checks pass, and a passing require() keeps no
+# message, a rule only one of its two; so each is spelled (amounts through format_minor) only when kept.
+_Text = str | Callable[[], str]
+
+
 class _Refused(Exception):
     def __init__(self, check: Check) -> None:
         self.check = check
@@ -105,6 +110,8 @@ def evaluate_refund(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | 
     def require(ok: bool, check: Check) -> None:
         if not ok:
             check.result = "fail"
+            if callable(check.message):  # spelled only for the check that refuses (see _lazy)
+                check.message = check.message()
             checks.append(check)
             raise _Refused(check)
         check.code = check.message = ""  # a passing check has no refusal to explain
@@ -118,7 +125,7 @@ def evaluate_refund(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | 
             "it is already fully refunded" if refundable <= 0 else "")
         require(not not_refundable_why, Check(
             "payment_refundable", "pass", code="PAYMENT_NOT_REFUNDABLE",
-            message=f"Payment {payment.id} cannot be refunded: {not_refundable_why}.",
+            message=lambda: f"Payment {payment.id} cannot be refunded: {not_refundable_why}.",
             inputs={"status": payment.status, "captured": payment.amount_captured_minor,
                     "refunded": payment.amount_refunded_minor, "reserved": payment.amount_reserved_minor},
             observed=refundable))
@@ -130,27 +137,27 @@ def evaluate_refund(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | 
         allowed = limits.allowed_reasons if limits else []
         require(limits is None or ask.reason in allowed, Check(
             "reason", "pass", code="REASON_NOT_ALLOWED",
-            message=f"Reason {ask.reason!r} is not allowed by the current policy; allowed: "
-                    f"{', '.join(allowed) or 'none'}.",
+            message=lambda: f"Reason {ask.reason!r} is not allowed by the current policy; allowed: "
+                            f"{', '.join(allowed) or 'none'}.",
             inputs={"reason": ask.reason}, limit=allowed))
         if limits is not None and payment.captured_at is not None:
             age_days = (now - payment.captured_at) / timedelta(days=1)
             require(age_days <= limits.refund_window_days, Check(
                 "refund_window", "pass", code="REFUND_WINDOW_EXPIRED",
-                message=f"The payment was captured {int(age_days)} days ago; refunds are allowed "
-                        f"within {limits.refund_window_days} days.",
+                message=lambda: f"The payment was captured {int(age_days)} days ago; refunds are allowed "
+                                f"within {limits.refund_window_days} days.",
                 inputs={"captured_at": payment.captured_at.isoformat()},
                 limit=limits.refund_window_days, observed=round(age_days, 2)))
         require(0 < amount <= refundable, Check(
             "amount_within_refundable", "pass", code="AMOUNT_EXCEEDS_REFUNDABLE",
-            message=f"{money(amount)} is more than the {money(refundable)} still refundable on "
-                    f"{payment.id} (captured {money(payment.amount_captured_minor)}).",
+            message=lambda: f"{money(amount)} is more than the {money(refundable)} still refundable on "
+                            f"{payment.id} (captured {money(payment.amount_captured_minor)}).",
             inputs={"amount": amount}, limit=refundable, observed=amount))
         if limits is not None:
             require(totals.payment_refund_count < limits.max_refunds_per_payment, Check(
                 "refunds_per_payment", "pass", code="MAX_REFUNDS_REACHED",
-                message=f"Payment {payment.id} already has {totals.payment_refund_count} refunds; "
-                        f"the limit is {limits.max_refunds_per_payment}.",
+                message=lambda: f"Payment {payment.id} already has {totals.payment_refund_count} refunds; "
+                                f"the limit is {limits.max_refunds_per_payment}.",
                 limit=limits.max_refunds_per_payment, observed=totals.payment_refund_count))
         if ask.agent_id is not None:
             require(not paused, Check(
@@ -207,15 +214,16 @@ def _check_running_totals(require, limits: RefundLimits, totals: Totals, amount:
         ("customer_30d_count", totals.customer_30d_count + 1, limits.customer_30d_count,
          "this customer's number of refunds in the last 30 days"),
     ]
+    # Each message is spelled, if at all, inside require(), before the loop moves on: this round's names.
     for name, would_be, limit, what in counts:
         require(would_be <= limit, Check(
             name, "pass", code="DAILY_LIMIT_REACHED",
-            message=f"Refused: {what} would be {would_be}, over the limit of {limit}.",
+            message=lambda: f"Refused: {what} would be {would_be}, over the limit of {limit}.",
             limit=limit, observed=would_be - 1, inputs={"would_be": would_be}))
     for name, would_be, limit, what in scopes:
         require(would_be <= limit, Check(
             name, "pass", code="DAILY_LIMIT_REACHED",
-            message=f"Refused: {what} would reach {money(would_be)}, over the limit of {money(limit)}.",
+            message=lambda: f"Refused: {what} would reach {money(would_be)}, over the limit of {money(limit)}.",
             limit=limit, observed=would_be - amount, inputs={"amount": amount, "would_be": would_be}))
 
 
@@ -224,10 +232,12 @@ def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits |
                 money, requester_authority: int | None, by_agent: bool) -> list[str]:
     fired: list[str] = []
 
-    def rule(name: str, code: str, fires: bool, *, message: str = "", passed: str = "", **detail: Any) -> None:
-        # ``message`` says why it holds, ``passed`` what was within bounds: each only when it is true.
+    def rule(name: str, code: str, fires: bool, *, message: _Text = "", passed: _Text = "", **detail: Any) -> None:
+        # ``message`` says why it holds, ``passed`` what was within bounds: each only when it is true,
+        # and only that one is spelled.
+        said = message if fires else passed
         checks.append(Check(name, "hold" if fires else "pass", code=code if fires else "",
-                            message=message if fires else passed, **detail))
+                            message=said() if callable(said) else said, **detail))
         if fires:
             fired.append(code)
 
@@ -246,26 +256,26 @@ def _hold_rules(checks: list[Check], *, payment: Payment, limits: RefundLimits |
     else:
         threshold = int(limits.reason_thresholds.get(reason, limits.approval_threshold_minor))
         rule("approval_threshold", "APPROVAL_REQUIRED", amount > threshold, limit=threshold, observed=amount,
-             message=f"{money(amount)} is above the {money(threshold)} an agent may refund alone.",
-             passed=f"{money(amount)} is within the {money(threshold)} an agent may refund alone.")
+             message=lambda: f"{money(amount)} is above the {money(threshold)} an agent may refund alone.",
+             passed=lambda: f"{money(amount)} is within the {money(threshold)} an agent may refund alone.")
         rule("approval_threshold_cumulative", "APPROVAL_REQUIRED_CUMULATIVE",
              before > 0 and before + amount > threshold, limit=threshold, observed=before + amount, inputs=so_far,
-             message=f"{money(before)} already refunded by {kind} {scope}, plus {money(amount)}, is "
-                     f"{money(before + amount)}: above the {money(threshold)} {kind} may refund without "
-                     f"a second person.",
-             passed=f"{money(before)} already refunded by {kind} {scope}, plus {money(amount)}, is "
-                    f"{money(before + amount)}: within the {money(threshold)} {kind} may refund without "
-                    f"a second person.")
+             message=lambda: f"{money(before)} already refunded by {kind} {scope}, plus {money(amount)}, is "
+                             f"{money(before + amount)}: above the {money(threshold)} {kind} may refund "
+                             f"without a second person.",
+             passed=lambda: f"{money(before)} already refunded by {kind} {scope}, plus {money(amount)}, is "
+                            f"{money(before + amount)}: within the {money(threshold)} {kind} may refund "
+                            f"without a second person.")
     if requester_authority is not None:
         rule("requester_authority", "ABOVE_REQUESTER_AUTHORITY", before + amount > requester_authority,
              limit=requester_authority, observed=before + amount, inputs=so_far,
-             message=(f"{money(amount)}" + (f", with the {money(before)} already refunded by people {scope},"
-                                            if before else "")
-                      + f" is above the {money(requester_authority)} the requester may approve: someone else "
-                        f"decides."),
-             passed=(f"{money(amount)}" + (f", with the {money(before)} already refunded by people {scope},"
-                                           if before else "")
-                     + f" is within the {money(requester_authority)} the requester may approve."))
+             message=lambda: (f"{money(amount)}" + (f", with the {money(before)} already refunded by people "
+                                                    f"{scope}," if before else "")
+                              + f" is above the {money(requester_authority)} the requester may approve: "
+                                f"someone else decides."),
+             passed=lambda: (f"{money(amount)}" + (f", with the {money(before)} already refunded by people "
+                                                   f"{scope}," if before else "")
+                             + f" is within the {money(requester_authority)} the requester may approve."))
     rules = rules or HoldRules()  # no rules saved: every hold on (the model's defaults), never none
     if rules.hold_disputed:
         rule("payment_disputed", "PAYMENT_DISPUTED", payment.is_disputed,

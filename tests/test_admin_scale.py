@@ -15,7 +15,7 @@ from django.urls import reverse
 
 from audit.models import AuditEntry
 from audit.services import record_audit
-from refundops.models import Payment, Refund, RefundState
+from refundops.models import IdempotencyRecord, Payment, Refund, RefundState
 from tests.browser import make_approver, populate
 
 pytestmark = pytest.mark.django_db
@@ -91,15 +91,17 @@ def test_the_audit_log_searched_by_a_payment_id_finds_it_in_data_or_as_subject_t
 
 
 @pytest.mark.parametrize("list_url", ["admin:refundops_refund_changelist", "admin:refundops_payment_changelist",
-                                      "admin:audit_verdict_changelist", "admin:audit_auditentry_changelist"])
-def test_a_long_list_is_not_counted_row_by_row(finance, world, settings, list_url):
+                                      "admin:audit_verdict_changelist", "admin:audit_auditentry_changelist",
+                                      "admin:refundops_idempotencyrecord_changelist"])
+def test_a_long_list_is_not_counted_row_by_row(finance, admin_client, world, settings, list_url):
     settings.ADMIN_ESTIMATED_COUNT_ABOVE = 1  # "long", brought down to the test's few rows
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")  # the statistics autovacuum keeps
     url = reverse(list_url)
     # The refund list's default (denied requests left out) is a filter over nearly every row too.
-    for shown in (url, *([f"{url}?status__exact=all"] if "refund" in list_url else [])):
-        _, queries = get_with_queries(finance, shown)
+    reader = admin_client if "idempotency" in list_url else finance  # operators' and auditors' page
+    for shown in (url, *([f"{url}?status__exact=all"] if "refund_" in list_url else [])):
+        _, queries = get_with_queries(reader, shown)
         assert [q for q in queries if "COUNT(*)" in q] == []
         assert any(q.startswith("EXPLAIN") for q in queries), [q[:60] for q in queries]
 
@@ -124,7 +126,8 @@ def test_the_held_queue_is_read_a_page_at_a_time_oldest_first(finance, world, mo
 
 
 LISTS = ["admin:refundops_refund_changelist", "admin:refundops_payment_changelist", "admin:audit_verdict_changelist",
-         "admin:audit_auditentry_changelist", "admin:refundops_agentread_changelist"]
+         "admin:audit_auditentry_changelist", "admin:refundops_agentread_changelist",
+         "admin:refundops_idempotencyrecord_changelist"]
 
 
 @pytest.mark.parametrize("list_url", LISTS)
@@ -133,6 +136,20 @@ def test_a_list_reads_no_whole_table_for_its_filters_or_dates(admin_client, worl
     filters, the date drill-down's DISTINCT years), nor a MIN/MAX over an unindexed date."""
     _, queries = get_with_queries(admin_client, reverse(list_url))
     assert [q for q in queries if "DISTINCT" in q.upper() or "MIN(" in q or "MAX(" in q] == []
+
+
+def test_idempotency_records_searched_by_a_key_or_a_scope_compare_with_equals_not_like(admin_client, world):
+    from refundops.models import IdempotencyRecord
+
+    record = IdempotencyRecord.objects.order_by("created_at").first()
+    url = reverse("admin:refundops_idempotencyrecord_changelist")
+    for term in (record.key, record.scope):
+        page, queries = get_with_queries(admin_client, f"{url}?q={term}")
+        searched = [q for q in queries if term in q]
+        assert searched and all(" LIKE " not in q and '"key" = ' in q for q in searched), searched
+        assert record.key in page
+    page, _ = get_with_queries(admin_client, f"{url}?q={record.key[:-1]}")
+    assert f">{record.key}<" not in page  # a fragment is not a key
 
 
 def test_the_audit_action_filter_still_lists_every_action_read_through_its_index(client, world):
@@ -176,6 +193,7 @@ def test_a_deep_page_joins_only_its_own_rows(finance, world, monkeypatch):
     (lambda: Refund.objects.order_by("amount_minor", "-id")[:100], "refund_amount_order"),
     (lambda: Refund.objects.order_by("-amount_minor", "-id")[:100], "refund_amount_order"),
     (lambda: Payment.objects.order_by("-created_at", "-id")[:100], "payment_created_order"),
+    (lambda: IdempotencyRecord.objects.order_by("-created_at", "-id")[:100], "idempotency_created_order"),
 ])
 def test_the_lists_orderings_are_read_along_an_index(world, queryset, index):
     assert index in plan(queryset())

@@ -427,3 +427,26 @@ def test_staff_decisions_ignore_the_agents_switches(db):
     decision = evaluate_refund(payment=make_payment(), ask=replace(ASK, agent_id=None), limits=limits,
                                rules=rules, totals=ZERO, now=timezone.now(), paused=True, breaker_open=True, ledger_mismatch=False)
     assert decision.outcome == "approved"
+
+
+# -- messages spelled only when kept ------------------------------------------------------------
+
+@pytest.mark.parametrize("amount, totals", [
+    (100, ZERO),  # approved: every check passes
+    (10**9, ZERO),  # refused: more than refundable
+    (100, replace(ZERO, customer_day_count=10**6)),  # refused by a running count
+])
+def test_a_decision_spells_no_amount_it_does_not_keep(db, monkeypatch, amount, totals):
+    """A passing check keeps no message and a hold rule one of its two, so an amount is spelled
+    (``format_minor``) only for a message the decision keeps: a backtest replays a year of
+    requests and reads none of them (4.4 s of 38.7 at 30,000 requests went to spelling them)."""
+    import refundops.policy
+
+    spelled: list[str] = []
+    real = refundops.policy.format_minor
+    monkeypatch.setattr(refundops.policy, "format_minor", lambda *a: spelled.append(real(*a)) or spelled[-1])
+    decision = evaluate_refund(payment=make_payment(captured_days_ago=1), ask=replace(ASK, amount_minor=amount),
+                               limits=make_limits(), rules=make_rules(), totals=totals, now=timezone.now(),
+                               paused=False, breaker_open=False, ledger_mismatch=False)
+    kept = " ".join([decision.message, *(c.message for c in decision.checks)])
+    assert all(kept.count(text) >= spelled.count(text) for text in spelled), (spelled, kept)

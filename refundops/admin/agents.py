@@ -171,12 +171,21 @@ class PlatformStateAdmin(ReadOnlyHistoryAdmin):
 
 @admin.register(IdempotencyRecord)
 class IdempotencyRecordAdmin(ReadOnlyAdmin):
+    """A record a refund request (kept, never purged: a million a year). Read newest first along
+    ``idempotency_created_order``; the filters' choices from the latest rows and dates as ranges,
+    not a ``SELECT DISTINCT`` and a ``MIN``/``MAX`` over every record on each page; counted by
+    the planner's estimate."""
+
     ordering = ["-created_at"]
     list_display = ["key", "scope", "operation", "response_status", "created_at"]
-    list_filter = ["operation", "response_status"]
-    search_fields = ["key", "scope"]
-    date_hierarchy = "created_at"
+    list_filter = [("operation", RecentValuesListFilter), ("response_status", RecentValuesListFilter),
+                   ("created_at", admin.DateFieldListFilter)]
+    # A key or a caller's scope as pasted, compared whole: a LIKE '%…%' read every record twice (the
+    # page and its count), 0.43 s each at a million. No index on the key alone: one more random-key
+    # index on the refund request's insert, for an operator's look-up (a year's scan: ~0.15 s).
+    search_fields = ["key__exact", "scope__exact"]
     show_full_result_count = False
+    paginator = EstimatedCountPaginator
 
 
 @admin.register(Merchant)

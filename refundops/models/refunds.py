@@ -198,3 +198,5 @@ class IdempotencyRecord(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["scope", "key"], name="idempotency_one_key_one_effect")]
+        # The admin's list, newest first (and -pk, which Django adds), read along it.
+        indexes = [models.Index(fields=["created_at", "id"], name="idempotency_created_order")]
