@@ -110,7 +110,7 @@ def evaluate_refund(*, payment: Payment, ask: RefundAsk, limits: RefundLimits | 
     def require(ok: bool, check: Check) -> None:
         if not ok:
             check.result = "fail"
-            if callable(check.message):  # spelled only for the check that refuses (see _lazy)
+            if callable(check.message):  # spelled only for the check that refuses (see _Text)
                 check.message = check.message()
             checks.append(check)
             raise _Refused(check)

@@ -16,7 +16,8 @@ from proposals.services import ProposalError, approve_proposal
 from refundops.callers import Caller
 from refundops.models import PolicyDraft, Refund, RefundLimits
 from refundops.selectors import active_limits
-from refundops.services.drafts import DraftError, create_draft, drop_draft, promote_draft, set_shadow
+from refundops.services.drafts import (DraftError, create_draft, draft_fields, drop_draft, promote_draft,
+                                       set_shadow)
 from refundops.services.refunds import request_refund
 from tests.browser import admin_url
 from tests.conftest import make_agent_key, make_limits, make_payment, make_rules
@@ -151,3 +152,32 @@ def test_the_disagreements_page(world, finance):
     response = client.post(admin_url("admin:refundops_policydraft_drop", draft.pk), {"note": "seen enough"})
     assert response.status_code == 302
     assert PolicyDraft.objects.get(pk=draft.pk).status == "dropped"
+
+
+@pytest.mark.parametrize("changes", [
+    {"global_daily_amount_minor": 10.0**12},  # JSON's 1e12: a float, which format_minor cannot spell
+    {"allowed_reasons": ["duplicate", 7]},  # not a reason: a refusal's message cannot join it
+    {"hold_flagged": "0"},  # a string: truthy, so the draft would hold what it says it releases
+    {"approval_threshold_minor": 1000.5},  # a fraction of a minor unit: a saved row truncates it
+])
+def test_a_draft_keeps_only_values_its_version_would_keep(world, finance, changes):
+    """A draft is replayed as written (PolicyDraft.as_version), not as a saved row would read it back:
+    a value its field only converts would reach the policy unconverted, and a shadow draft runs on
+    every live request. Since fe7e9f5 a check's message is spelled only when kept, so such a draft
+    broke live refunds only when it refused (before, on every request): refused when written."""
+    with pytest.raises(DraftError) as refused:
+        create_draft(kind="rules" if "hold_flagged" in changes else "limits",
+                     currency="" if "hold_flagged" in changes else "USD", person=finance, changes=changes)
+    assert refused.value.code == "DRAFT_INVALID" and next(iter(changes)) in refused.value.message
+
+
+def test_a_shadow_draft_never_breaks_a_live_refund(world, finance):
+    """What the test above prevents: a float limit in a shadow draft (written before it) made the live
+    request fail when the draft's limit refused it (fe7e9f5; before it, always)."""
+    draft = PolicyDraft.objects.create(kind="limits", currency="USD", values={
+        **{k: v for k, v in vars(active_limits("USD")).items() if k in draft_fields("limits")},
+        "global_daily_amount_minor": 1000.0})
+    set_shadow(draft_id=draft.pk, on=True, person=finance)
+    answer = ask(world, 3_000)
+    assert answer.status == 201
+    assert shadow_of(answer, draft)["code"] == "DAILY_LIMIT_REACHED"

@@ -139,10 +139,13 @@ class PolicyDraft(models.Model):
         return f"draft {series} {self.pk}"
 
     def as_version(self) -> RefundLimits | HoldRules:
-        """The draft as an unsaved version row, for the pure policy."""
+        """The draft as an unsaved version row, for the pure policy: each value as a saved row reads it
+        back (a draft written before drafts.create_draft refused a float limit still replays as ints)."""
+        model = RefundLimits if self.kind == self.Kind.LIMITS else HoldRules
+        values = {k: model._meta.get_field(k).to_python(v) for k, v in self.values.items()}
         if self.kind == self.Kind.LIMITS:
-            return RefundLimits(currency=self.currency, version=0, **self.values)
-        return HoldRules(version=0, **self.values)
+            return RefundLimits(currency=self.currency, version=0, **values)
+        return HoldRules(version=0, **values)
 
 
 

@@ -51,6 +51,20 @@ def _validate(kind: str, currency: str, values: dict[str, Any]) -> None:
         _control(kind).validate(currency, values)
     except ProposalError as invalid:
         raise DraftError("DRAFT_INVALID", invalid.message) from None
+    # full_clean checks what each field converts the value to; a draft is replayed and shadowed with the
+    # value as written (a float limit, a "0" that is truthy): it must already be what a saved row reads.
+    model = MODEL[kind]
+    for name, value in values.items():
+        if name == "allowed_reasons":
+            exact = isinstance(value, list) and all(type(r) is str for r in value)
+        elif name == "reason_thresholds":
+            exact = isinstance(value, dict) and all(type(v) is int for v in value.values())
+        else:
+            kept = model._meta.get_field(name).to_python(value)
+            exact = type(kept) is type(value) and kept == value
+        if not exact:
+            raise DraftError("DRAFT_INVALID", f"{name}: {value!r} is not a value of this field as saved "
+                                              f"(whole minor units, true or false, reasons as text).")
 
 
 def _get(draft_id: str, *, lock: bool = True) -> PolicyDraft:
