@@ -78,7 +78,12 @@ def could_be_pk(model, value: str) -> bool:
 class IdsChecked:
     """Ids no row can have ("abc" for a numeric key), which Django's admin and simple_history pass
     to a query as they are (a ValueError: 500): a changelist action on such a selection does nothing
-    and the list says why; a history page for such an id is not found."""
+    and the list says why; a history page for such an id is not found. An empty ``?_to_field=`` is
+    no field: Django checks a non-empty one against the fields it allows, and looks an empty one up
+    (``get_field('')``: 500), so here it means the primary key, as no ``_to_field`` does."""
+
+    def get_object(self, request, object_id, from_field=None):
+        return super().get_object(request, object_id, from_field or None)
 
     def history_view(self, request, object_id, extra_context=None):
         if not could_be_pk(self.model, unquote(object_id)):

@@ -145,7 +145,10 @@ DATABASE_FIXTURES = {"db", "transactional_db", "live_server", "django_db_setup"}
 def outside_the_test_database(item) -> bool:
     """pytest-django's last group, and not even a subprocess on the test database: its own
     database, SQLite, or none (the fixtures that reach the test database are all named here)."""
+    from django.test import TransactionTestCase  # TestCase too: Django's classes use the database
+
     return (item.get_closest_marker("django_db") is None
+            and not issubclass(getattr(item, "cls", None) or object, TransactionTestCase)
             and DATABASE_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
 
 

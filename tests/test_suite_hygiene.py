@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from django.test import TestCase, TransactionTestCase
 
 from tests.conftest import DESELECTED, SLOW_MODULES, SLOW_TESTS, outside_the_test_database
 from tests.slots import BIG_RACE, BIG_RACE_LOCK, big_race_slot
@@ -70,7 +71,9 @@ def test_the_slow_proofs_outside_the_database_lead_and_the_database_groups_keep_
     first_other = leading.index(False) if False in leading else len(leading)
     assert not any(leading[first_other:]), "a slow proof outside the database after the others"
 
-    def group(item) -> int:
+    def group(item) -> int:  # as pytest-django's get_order_number
+        if issubclass(getattr(item, "cls", None) or object, TransactionTestCase):
+            return 0 if issubclass(item.cls, TestCase) else 1
         marker = item.get_closest_marker("django_db")
         fixtures = set(item.fixturenames)
         if (marker and (marker.kwargs.get("transaction") or marker.kwargs.get("reset_sequences"))) \
