@@ -197,7 +197,7 @@ def test_values_spelled_at_load_by_the_workers_spell_as_djangos(at, amount, uid,
     with connection.cursor() as cursor:
         cursor.execute(query, values)
         djangos = cursor.fetchone()
-    with verify_worker.connect(parallel._conninfo()) as conn:
+    with verify_worker.connect(parallel.conninfo()) as conn:
         workers = conn.execute(query, values).fetchone()
     assert [walk.canonical(v) for v in workers] == [walk.canonical(v) for v in djangos]
     assert all(type(v) is str for v in workers)  # spelled once, at load
