@@ -30,7 +30,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from django.db import connection, connections, transaction
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Exists, F, Func, OuterRef, Q, TextField
 from django.template.loader import render_to_string
 from django.utils import timezone
 
@@ -130,6 +130,29 @@ def load_signing_key(path: str | Path) -> Ed25519PrivateKey:
 
 
 # -- the checks ---------------------------------------------------------------------------------
+
+# A timestamp only written to a CSV, spelled by PostgreSQL as csv_cell spells the datetime Django reads
+# (``isoformat()`` in UTC: microseconds only when there are some): no datetime built and formatted in
+# Python for each of a quarter's rows. tests/test_evidence_pack.py checks the spellings agree.
+ISO_UTC_SQL = ("to_char({x} AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS') || CASE WHEN "
+               "date_part('microseconds', {x} AT TIME ZONE 'UTC')::bigint %% 1000000 = 0 THEN '' "
+               "ELSE to_char({x} AT TIME ZONE 'UTC', '.US') END || '+00:00'")
+
+
+class IsoText(Func):
+    """A timestamp as the text ``csv_cell`` writes for it (NULL stays NULL); PostgreSQL only."""
+
+    output_field = TextField()
+
+    def as_postgresql(self, compiler, connection, **extra):
+        sql, params = compiler.compile(self.source_expressions[0])
+        return ISO_UTC_SQL.format(x=f"({sql})"), [*params, *params, *params]
+
+
+def _iso(name: str) -> IsoText | F:
+    """``name`` for a CSV cell: spelled by PostgreSQL, or read as a datetime elsewhere (csv_cell spells it)."""
+    return IsoText(F(name)) if connection.vendor == "postgresql" else F(name)
+
 
 def _in_period(period: Period, name: str) -> Q:
     return Q(**{f"{name}__gte": period.start, f"{name}__lt": period.end})
@@ -298,7 +321,7 @@ def verdict_per_call(period: Period, control: Control):
     totals it saw."""
     def rows():
         for v in _verdicts(period).order_by("created_at", "pk").values_list(
-                "pk", "created_at", "operation", "outcome", "code", "agent_id", "key_prefix", "staff_username",
+                "pk", _iso("created_at"), "operation", "outcome", "code", "agent_id", "key_prefix", "staff_username",
                 "idempotency_key", "payment_id", "refund_id", "amount_minor", "currency", "policy_version",
                 "totals", "dry_run", "deduplicated").iterator(chunk_size=CHUNK):
             why = ""
@@ -327,15 +350,15 @@ def gateway_writes(period: Period, control: Control):
 
     def rows():
         for aid, at, refund_id, verdict_id, key, outcome in attempts.order_by("started_at", "pk").values_list(
-                "pk", "started_at", "refund_id", "refund__verdict_id", "idempotency_key", "outcome").iterator(
+                "pk", _iso("started_at"), "refund_id", "refund__verdict_id", "idempotency_key", "outcome").iterator(
                 chunk_size=CHUNK):
             yield _write(control, aid, at, "refund", refund_id, verdict_id, key, outcome)
         for oid, at, kind, payment_id, verdict_id, key, status in operations.order_by("created_at", "pk").values_list(
-                "pk", "created_at", "kind", "payment_id", "verdict_id", "verdict__idempotency_key", "status").iterator(
+                "pk", _iso("created_at"), "kind", "payment_id", "verdict_id", "verdict__idempotency_key", "status").iterator(
                 chunk_size=CHUNK):
             yield _write(control, oid, at, kind, payment_id, verdict_id, key, status)
         for lid, at, payment_id, verdict_id, key, status in links.order_by("sent_at", "pk").values_list(
-                "pk", "sent_at", "payment_id", "verdict_id", "verdict__idempotency_key", "status").iterator(
+                "pk", _iso("sent_at"), "payment_id", "verdict_id", "verdict__idempotency_key", "status").iterator(
                 chunk_size=CHUNK):
             yield _write(control, lid, at, "payment_link", payment_id, verdict_id, key, status)
     return ["write_id", "at", "kind", "subject_id", "verdict_id", "idempotency_key", "outcome", "exception"], rows()
@@ -359,7 +382,7 @@ def one_refund_per_key(period: Period, control: Control):
         previous = None
         for rid, at, agent_id, user_id, key in refunds.order_by(
                 "agent_id", "requested_by_id", "idempotency_key", "created_at", "pk").values_list(
-                "pk", "created_at", "agent_id", "requested_by_id", "idempotency_key").iterator(chunk_size=CHUNK):
+                "pk", _iso("created_at"), "agent_id", "requested_by_id", "idempotency_key").iterator(chunk_size=CHUNK):
             scope = (agent_id, user_id, key)
             why = ""
             if previous and previous[0] == scope:
@@ -447,7 +470,7 @@ def paid_refunds(period: Period, control: Control):
 
     def rows():
         for *r, decided_at, agent_id, session_id, again in refunds.values_list(
-                "pk", "submitted_at", "status", "origin", "amount_minor", "currency", "verdict_id", "verdict__outcome",
+                "pk", _iso("submitted_at"), "status", "origin", "amount_minor", "currency", "verdict_id", "verdict__outcome",
                 "verdict__checks", "verdict__totals", "person_approved", "verdict__created_at", "agent_id",
                 "agent_session_id", "resubmission").iterator(chunk_size=CHUNK):
             if again:
@@ -486,8 +509,8 @@ def inbound_events(period: Period, control: Control):
 
     def rows():
         for e in InboundEvent.objects.filter(_in_period(period, "received_at")).order_by("received_at", "pk").values_list(
-                "pk", "received_at", "processor", "event_id", "type", "object_id", "verified", "verification_error",
-                "applied_at", "outcome").iterator(chunk_size=CHUNK):
+                "pk", _iso("received_at"), "processor", "event_id", "type", "object_id", "verified", "verification_error",
+                _iso("applied_at"), "outcome").iterator(chunk_size=CHUNK):
             why = ""
             if e[8] is not None and not e[6]:
                 why = control.note_exception(e[0], "applied (it may have moved money) without a valid signature")
@@ -505,7 +528,7 @@ def refund_elsewhere(period: Period, control: Control):
 
     def rows():
         for vid, at, agent_id, outcome, code in asked.order_by("created_at", "pk").values_list(
-                "pk", "created_at", "agent_id", "outcome", "code").iterator(chunk_size=CHUNK):
+                "pk", _iso("created_at"), "agent_id", "outcome", "code").iterator(chunk_size=CHUNK):
             why = "" if outcome == "denied" else control.note_exception(
                 vid, f"a refund to another destination was {outcome}, not refused")
             control.rows += 1
@@ -538,7 +561,7 @@ def revocation(period: Period, control: Control):
 
     def rows():
         for seq, at, action, actor, subject, data in entries.order_by("created_at", "pk").values_list(
-                "seq", "created_at", "action", "actor", "subject_id", "data").iterator(chunk_size=CHUNK):
+                "seq", _iso("created_at"), "action", "actor", "subject_id", "data").iterator(chunk_size=CHUNK):
             why = ""
             if action == DRILL_ACTION:
                 drills["count"] += 1
@@ -646,7 +669,7 @@ def chain_segment(period: Period, control: Control, walk: _ChainWalk):
     heads = {"start": str(start), "end": str(end), "verify_audit": verified}
 
     def rows():
-        for row in segment.values_list("seq", "created_at", "actor", "action", "subject_type", "subject_id", "data",
+        for row in segment.values_list("seq", _iso("created_at"), "actor", "action", "subject_type", "subject_id", "data",
                                        "records", "mac", "prev_hash", "hash").iterator(chunk_size=CHUNK):
             control.rows += 1
             yield row
