@@ -500,3 +500,33 @@ def test_the_packs_timestamp_cells_are_spelled_as_before_through_the_orm():
     assert all(type(spelled) is str for _, spelled in rows)
     nothing = Verdict.objects.annotate(t=IsoText(Value(None, output_field=DateTimeField()))).values_list("t")[:1]
     assert [t for (t,) in nothing] == [None]  # a NULL stays NULL: csv_cell writes ""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_whole_pack_reads_one_snapshot_and_progress_is_written_between_its_stages(tmp_path, signing):
+    """Every control counts the moment the pack began: a verdict committed while it is being built (here by
+    the progress callback, on the connection the admin's progress uses) is in no control's CSV. The
+    progress writes themselves go through: the stages' read-only transactions are not around them."""
+    from audit.models import EvidencePack
+
+    start, end = _period()
+    before = Verdict.objects.create(operation="refund.check", outcome="approved", idempotency_key="snap-before")
+    pack = EvidencePack.objects.create(requested_by="auditor", first_day=start.date(), last_day=end.date())
+    steps: list[str] = []
+
+    def progress(step: str) -> None:
+        EvidencePack.objects.filter(pk=pack.pk).update(step=step, steps_done=len(steps))  # a write, committed
+        if step == "Capabilities used":  # after the verdicts' CSV, before capability_use reads the verdicts
+            Verdict.objects.create(operation="refund.check", outcome="approved", agent_id="ag_late",
+                                   idempotency_key="snap-late")
+        steps.append(step)
+
+    build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0], progress=progress)
+    with zipfile.ZipFile(tmp_path / "pack.zip") as archive:
+        verdicts = archive.read("controls/verdicts.csv").decode()
+        used = archive.read("controls/capability_use.csv").decode()
+    assert before.pk in verdicts
+    late = Verdict.objects.get(idempotency_key="snap-late")
+    assert late.pk not in used and late.pk not in verdicts
+    pack.refresh_from_db()
+    assert pack.step == "summary.pdf" and pack.steps_done == len(steps) - 1
