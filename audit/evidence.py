@@ -35,10 +35,10 @@ from django.db.models.functions import Cast
 from django.template.loader import render_to_string
 from django.utils import timezone
 
+from audit import parallel, verify_worker
 from audit.chain import GENESIS, Head, seal, verify_chain
 from audit.exports import csv_lines
 from audit.models import AuditEntry, Verdict
-from audit import parallel, verify_worker
 from audit.parallel import default_processes
 
 CHUNK = 2_000  # rows per round trip of a server-side cursor
@@ -367,8 +367,8 @@ def gateway_writes(period: Period, control: Control):
                 chunk_size=CHUNK):
             yield _write(control, aid, at, "refund", refund_id, verdict_id, key, outcome)
         for oid, at, kind, payment_id, verdict_id, key, status in operations.order_by("created_at", "pk").values_list(
-                "pk", _iso("created_at"), "kind", "payment_id", "verdict_id", "verdict__idempotency_key", "status").iterator(
-                chunk_size=CHUNK):
+                "pk", _iso("created_at"), "kind", "payment_id", "verdict_id", "verdict__idempotency_key",
+                "status").iterator(chunk_size=CHUNK):
             yield _write(control, oid, at, kind, payment_id, verdict_id, key, status)
         for lid, at, payment_id, verdict_id, key, status in links.order_by("sent_at", "pk").values_list(
                 "pk", _iso("sent_at"), "payment_id", "verdict_id", "verdict__idempotency_key", "status").iterator(
@@ -483,9 +483,9 @@ def paid_refunds(period: Period, control: Control):
 
     def rows():
         for *r, decided_at, agent_id, session_id, again in refunds.values_list(
-                "pk", _iso("submitted_at"), "status", "origin", "amount_minor", "currency", "verdict_id", "verdict__outcome",
-                _json_text("verdict__checks"), _json_text("verdict__totals"), "person_approved", "verdict__created_at", "agent_id",
-                "agent_session_id", "resubmission").iterator(chunk_size=CHUNK):
+                "pk", _iso("submitted_at"), "status", "origin", "amount_minor", "currency", "verdict_id",
+                "verdict__outcome", _json_text("verdict__checks"), _json_text("verdict__totals"), "person_approved",
+                "verdict__created_at", "agent_id", "agent_session_id", "resubmission").iterator(chunk_size=CHUNK):
             r[8:10] = _loads(r[8]), _loads(r[9])
             if again:
                 r[6:10] = again["id"], again["outcome"], again["checks"], again["totals"]
@@ -523,8 +523,8 @@ def inbound_events(period: Period, control: Control):
 
     def rows():
         for e in InboundEvent.objects.filter(_in_period(period, "received_at")).order_by("received_at", "pk").values_list(
-                "pk", _iso("received_at"), "processor", "event_id", "type", "object_id", "verified", "verification_error",
-                _iso("applied_at"), "outcome").iterator(chunk_size=CHUNK):
+                "pk", _iso("received_at"), "processor", "event_id", "type", "object_id", "verified",
+                "verification_error", _iso("applied_at"), "outcome").iterator(chunk_size=CHUNK):
             why = ""
             if e[8] is not None and not e[6]:
                 why = control.note_exception(e[0], "applied (it may have moved money) without a valid signature")

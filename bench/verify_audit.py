@@ -42,7 +42,8 @@ def _marked(sql: str) -> str:
     marked = sql.replace("policy_input, shadow)", "policy_input, shadow, chained_by)").replace(
         "'{}', '{}', '{}'\n       FROM generate_series(1, (%(n)s * 106) / 100) i",
         f"'{{}}', '{{}}', '{{}}', {COVER_MARK_SQL}\n       FROM generate_series(1, (%(n)s * 106) / 100) i")
-    assert "chained_by" in marked and COVER_MARK_SQL in marked, "bench/admin_scale.py's verdicts changed: mark them here again"
+    assert "chained_by" in marked and COVER_MARK_SQL in marked, \
+        "bench/admin_scale.py's verdicts changed: mark them here again"
     return marked
 
 
