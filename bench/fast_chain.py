@@ -115,5 +115,6 @@ def write_chain(conninfo: str, tasks: Sequence[Task], *, processes: int = 2) -> 
                                     json.dumps(data), json.dumps(records), mac, prev, link, now))
                     next_id, prev = next_id + 1, link
                 written += len(chunk)
-        conn.execute("SELECT setval(pg_get_serial_sequence('audit_auditentry', 'id'), %s)", [next_id - 1])
+        if written:  # the next entry the app appends takes the id after the last one written here
+            conn.execute("SELECT setval(pg_get_serial_sequence('audit_auditentry', 'id'), %s)", [next_id - 1])
     return written
