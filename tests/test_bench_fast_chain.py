@@ -61,7 +61,7 @@ def _drop(database: str) -> None:
      "was altered"),
 ])
 def test_a_fast_seeded_chain_verifies_and_an_edited_record_is_found(bench, refunds, tamper, found):
-    database = _database("fastchain")
+    database = _database(f"fastchain_{Path(bench).stem}")  # one each: the cases may run at once
     try:
         out = _run([bench, "--refunds", str(refunds), "--seed-only"], database)
         assert "sealed" in out
