@@ -189,7 +189,7 @@ def _verbose_name(label: str) -> str | None:
 
 def _records_fault(chunk: Sequence[tuple]) -> tuple[int, str] | None:
     """The first entry of ``chunk`` (rows of ``_ENTRY_COLUMNS``) whose recorded rows are gone or
-    differ: its index and why. The rows are read as values, one query per model, per chunk."""
+    differ: its index and why. The rows are read as values, a query per model and RECORDS_BATCH rows."""
     digests: dict[tuple[str, Any], str] = {}
     for label, pks in walk.wanted_records(chunk).items():
         try:
@@ -197,8 +197,9 @@ def _records_fault(chunk: Sequence[tuple]) -> tuple[int, str] | None:
         except LookupError:
             continue  # reported per entry below
         names = sealed_fields(model)
-        for pk, *values in model._base_manager.filter(pk__in=pks).values_list("pk", *names):
-            digests[label, pk] = values_digest(model._meta.label_lower, names, values)
+        for batch in walk.batches(pks):
+            for pk, *values in model._base_manager.filter(pk__in=batch).values_list("pk", *names):
+                digests[label, pk] = values_digest(model._meta.label_lower, names, values)
     return walk.first_records_fault(chunk, digests, _verbose_name)
 
 

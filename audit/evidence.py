@@ -14,21 +14,28 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
+import threading
 import zipfile
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from django.db.models import Exists, OuterRef, Q
+from django.db import connection, connections, transaction
+from django.db.models import Exists, F, Func, OuterRef, Q, TextField
+from django.db.models.functions import Cast
 from django.template.loader import render_to_string
 from django.utils import timezone
 
+from audit import parallel, verify_worker
 from audit.chain import GENESIS, Head, seal, verify_chain
 from audit.exports import csv_lines
 from audit.models import AuditEntry, Verdict
@@ -124,6 +131,40 @@ def load_signing_key(path: str | Path) -> Ed25519PrivateKey:
 
 
 # -- the checks ---------------------------------------------------------------------------------
+
+# A timestamp only written to a CSV, spelled by PostgreSQL as csv_cell spells the datetime Django reads
+# (``isoformat()`` in UTC: microseconds only when there are some): no datetime built and formatted in
+# Python for each of a quarter's rows. tests/test_evidence_pack.py checks the spellings agree.
+ISO_UTC_SQL = ("to_char({x} AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS') || CASE WHEN "
+               "date_part('microseconds', {x} AT TIME ZONE 'UTC')::bigint %% 1000000 = 0 THEN '' "
+               "ELSE to_char({x} AT TIME ZONE 'UTC', '.US') END || '+00:00'")
+
+
+class IsoText(Func):
+    """A timestamp as the text ``csv_cell`` writes for it (NULL stays NULL); PostgreSQL only."""
+
+    output_field = TextField()
+
+    def as_postgresql(self, compiler, connection, **extra):
+        sql, params = compiler.compile(self.source_expressions[0])
+        return ISO_UTC_SQL.format(x=f"({sql})"), [*params, *params, *params]
+
+
+def _json_text(name: str) -> Cast | F:
+    """A JSON column read as its text, decoded by ``_loads``: the value Django's JSONField gives."""
+    return Cast(F(name), TextField()) if connection.vendor == "postgresql" else F(name)
+
+
+def _loads(text: Any) -> Any:
+    """The value of a column read by ``_json_text``: ``json.loads``'s, by orjson where it is the same
+    (audit.verify_worker.json_loads, tested against json.loads in test_audit_walk.py); ~5x faster."""
+    return verify_worker.json_loads(text) if type(text) is str else text
+
+
+def _iso(name: str) -> IsoText | F:
+    """``name`` for a CSV cell: spelled by PostgreSQL, or read as a datetime elsewhere (csv_cell spells it)."""
+    return IsoText(F(name)) if connection.vendor == "postgresql" else F(name)
+
 
 def _in_period(period: Period, name: str) -> Q:
     return Q(**{f"{name}__gte": period.start, f"{name}__lt": period.end})
@@ -292,9 +333,10 @@ def verdict_per_call(period: Period, control: Control):
     totals it saw."""
     def rows():
         for v in _verdicts(period).order_by("created_at", "pk").values_list(
-                "pk", "created_at", "operation", "outcome", "code", "agent_id", "key_prefix", "staff_username",
+                "pk", _iso("created_at"), "operation", "outcome", "code", "agent_id", "key_prefix", "staff_username",
                 "idempotency_key", "payment_id", "refund_id", "amount_minor", "currency", "policy_version",
-                "totals", "dry_run", "deduplicated").iterator(chunk_size=CHUNK):
+                _json_text("totals"), "dry_run", "deduplicated").iterator(chunk_size=CHUNK):
+            v = (*v[:14], _loads(v[14]), *v[15:])
             why = ""
             if (v[2] == "refund.create" and v[3] in ("approved", "held") and not v[15] and not v[16]
                     and not v[14]):
@@ -321,15 +363,15 @@ def gateway_writes(period: Period, control: Control):
 
     def rows():
         for aid, at, refund_id, verdict_id, key, outcome in attempts.order_by("started_at", "pk").values_list(
-                "pk", "started_at", "refund_id", "refund__verdict_id", "idempotency_key", "outcome").iterator(
+                "pk", _iso("started_at"), "refund_id", "refund__verdict_id", "idempotency_key", "outcome").iterator(
                 chunk_size=CHUNK):
             yield _write(control, aid, at, "refund", refund_id, verdict_id, key, outcome)
         for oid, at, kind, payment_id, verdict_id, key, status in operations.order_by("created_at", "pk").values_list(
-                "pk", "created_at", "kind", "payment_id", "verdict_id", "verdict__idempotency_key", "status").iterator(
-                chunk_size=CHUNK):
+                "pk", _iso("created_at"), "kind", "payment_id", "verdict_id", "verdict__idempotency_key",
+                "status").iterator(chunk_size=CHUNK):
             yield _write(control, oid, at, kind, payment_id, verdict_id, key, status)
         for lid, at, payment_id, verdict_id, key, status in links.order_by("sent_at", "pk").values_list(
-                "pk", "sent_at", "payment_id", "verdict_id", "verdict__idempotency_key", "status").iterator(
+                "pk", _iso("sent_at"), "payment_id", "verdict_id", "verdict__idempotency_key", "status").iterator(
                 chunk_size=CHUNK):
             yield _write(control, lid, at, "payment_link", payment_id, verdict_id, key, status)
     return ["write_id", "at", "kind", "subject_id", "verdict_id", "idempotency_key", "outcome", "exception"], rows()
@@ -353,7 +395,7 @@ def one_refund_per_key(period: Period, control: Control):
         previous = None
         for rid, at, agent_id, user_id, key in refunds.order_by(
                 "agent_id", "requested_by_id", "idempotency_key", "created_at", "pk").values_list(
-                "pk", "created_at", "agent_id", "requested_by_id", "idempotency_key").iterator(chunk_size=CHUNK):
+                "pk", _iso("created_at"), "agent_id", "requested_by_id", "idempotency_key").iterator(chunk_size=CHUNK):
             scope = (agent_id, user_id, key)
             why = ""
             if previous and previous[0] == scope:
@@ -441,9 +483,10 @@ def paid_refunds(period: Period, control: Control):
 
     def rows():
         for *r, decided_at, agent_id, session_id, again in refunds.values_list(
-                "pk", "submitted_at", "status", "origin", "amount_minor", "currency", "verdict_id", "verdict__outcome",
-                "verdict__checks", "verdict__totals", "person_approved", "verdict__created_at", "agent_id",
-                "agent_session_id", "resubmission").iterator(chunk_size=CHUNK):
+                "pk", _iso("submitted_at"), "status", "origin", "amount_minor", "currency", "verdict_id",
+                "verdict__outcome", _json_text("verdict__checks"), _json_text("verdict__totals"), "person_approved",
+                "verdict__created_at", "agent_id", "agent_session_id", "resubmission").iterator(chunk_size=CHUNK):
+            r[8:10] = _loads(r[8]), _loads(r[9])
             if again:
                 r[6:10] = again["id"], again["outcome"], again["checks"], again["totals"]
                 decided_at = parse_datetime(again["at"])
@@ -480,8 +523,8 @@ def inbound_events(period: Period, control: Control):
 
     def rows():
         for e in InboundEvent.objects.filter(_in_period(period, "received_at")).order_by("received_at", "pk").values_list(
-                "pk", "received_at", "processor", "event_id", "type", "object_id", "verified", "verification_error",
-                "applied_at", "outcome").iterator(chunk_size=CHUNK):
+                "pk", _iso("received_at"), "processor", "event_id", "type", "object_id", "verified",
+                "verification_error", _iso("applied_at"), "outcome").iterator(chunk_size=CHUNK):
             why = ""
             if e[8] is not None and not e[6]:
                 why = control.note_exception(e[0], "applied (it may have moved money) without a valid signature")
@@ -499,7 +542,7 @@ def refund_elsewhere(period: Period, control: Control):
 
     def rows():
         for vid, at, agent_id, outcome, code in asked.order_by("created_at", "pk").values_list(
-                "pk", "created_at", "agent_id", "outcome", "code").iterator(chunk_size=CHUNK):
+                "pk", _iso("created_at"), "agent_id", "outcome", "code").iterator(chunk_size=CHUNK):
             why = "" if outcome == "denied" else control.note_exception(
                 vid, f"a refund to another destination was {outcome}, not refused")
             control.rows += 1
@@ -532,7 +575,7 @@ def revocation(period: Period, control: Control):
 
     def rows():
         for seq, at, action, actor, subject, data in entries.order_by("created_at", "pk").values_list(
-                "seq", "created_at", "action", "actor", "subject_id", "data").iterator(chunk_size=CHUNK):
+                "seq", _iso("created_at"), "action", "actor", "subject_id", "data").iterator(chunk_size=CHUNK):
             why = ""
             if action == DRILL_ACTION:
                 drills["count"] += 1
@@ -585,32 +628,110 @@ def _head_before(moment: datetime) -> Head:
     return Head(*last) if last else Head(0, GENESIS)
 
 
-def chain_segment(period: Period, control: Control):
-    """The sealed entries of the period in chain order; the heads at both ends; what verify_audit says."""
-    seal()  # as audit_head does: what is committed (verdicts too) is in the chain before its heads are read
+class _ChainWalk:
+    """``verify_audit``'s walk of the whole chain (in as many processes as there are cores), what it
+    says as the summary's sentence, and its exception if any. Beside the CSV stages in a thread of its
+    own (its own connection, reading what is committed) when the pack is built outside a transaction
+    on PostgreSQL; else here, when the chain's stage asks for it (a test's transaction: only this
+    connection sees its rows)."""
+
+    def __init__(self):
+        self.verified, self.bad, self.thread, self.error = "not run", None, None, None
+        if parallel.usable(2):
+            self.thread = threading.Thread(target=self._in_thread, name="evidence-pack-chain-walk", daemon=True)
+            self.thread.start()
+
+    def _in_thread(self) -> None:
+        try:
+            self._walk()
+        except BaseException as exc:  # raised again by the pack's own thread, in result()
+            self.error = exc
+        finally:
+            connections.close_all()  # this thread's connections only
+
+    def _walk(self) -> None:
+        for _, bad, why in verify_chain(processes=default_processes()):
+            if why and why != "ok":
+                self.verified = f"does not verify: {why}" + (f" (entry id {bad.pk})" if bad is not None else "")
+                self.bad = f"#{bad.seq}" if bad is not None and bad.seq else "chain"
+            elif why == "ok":
+                self.verified = "ok"
+
+    def result(self) -> tuple[str, str | None]:
+        if self.thread is None:
+            self._walk()
+        else:
+            self.thread.join()
+            if self.error is not None:
+                raise self.error
+        return self.verified, self.bad
+
+
+def chain_segment(period: Period, control: Control, walk: _ChainWalk):
+    """The sealed entries of the period in chain order; the heads at both ends; what verify_audit says.
+    The chain was sealed before the pack's snapshot was taken (build_pack): its heads are read in it."""
     start, end = _head_before(period.start), _head_before(period.end)
     # The segment is the seq range between the heads: an entry sealed in that range is in it even when
     # its clock reads otherwise (the sealer orders by id, not by time).
     segment = AuditEntry.objects.filter(seq__gt=start.seq, seq__lte=end.seq).order_by("seq")
-    verified = "not run"
-    for _, bad, why in verify_chain(processes=default_processes()):  # verify_audit's walk, in as many processes
-        if why and why != "" and why != "ok":
-            verified = f"does not verify: {why}" + (f" (entry id {bad.pk})" if bad is not None else "")
-            control.note_exception(f"#{bad.seq}" if bad is not None and bad.seq else "chain", verified)
-        elif why == "ok":
-            verified = "ok"
+    verified, bad = walk.result()
+    if bad is not None:
+        control.note_exception(bad, verified)
     if unsealed := AuditEntry.objects.filter(seq__isnull=True, created_at__lt=period.end).count():
         control.notes.append(f"{unsealed} entries of the period were not sealed yet when the pack was built.")
     control.notes.append(f"Head at the start: {start}; head at the end: {end}; verify_audit says: {verified}.")
     heads = {"start": str(start), "end": str(end), "verify_audit": verified}
 
     def rows():
-        for row in segment.values_list("seq", "created_at", "actor", "action", "subject_type", "subject_id", "data",
-                                       "records", "mac", "prev_hash", "hash").iterator(chunk_size=CHUNK):
+        for row in segment.values_list("seq", _iso("created_at"), "actor", "action", "subject_type", "subject_id",
+                                       _json_text("data"), _json_text("records"), "mac", "prev_hash", "hash").iterator(
+                                           chunk_size=CHUNK):
             control.rows += 1
-            yield row
+            yield (*row[:6], _loads(row[6]), _loads(row[7]), *row[8:])
     return heads, ["seq", "created_at", "actor", "action", "subject_type", "subject_id", "data", "records", "mac",
                    "prev_hash", "hash"], rows()
+
+
+class _Snapshot:
+    """One snapshot for the whole pack, and each stage read in a transaction of its own on it.
+
+    A connection of its own holds a read-only REPEATABLE READ transaction open and exports its
+    snapshot (``pg_export_snapshot``); each stage imports it in a read-only transaction on the
+    default connection. So every control counts the same moment, and inside a transaction Django's
+    ``.iterator()`` declares its server-side cursor without ``WITH HOLD``: rows stream as PostgreSQL
+    finds them, instead of the whole result being computed and stored at the implicit commit before
+    the first row. Between stages the default connection is free for the caller's progress writes
+    (the admin's pack row). ``work_mem`` is 64 MB in each stage, and ``jit`` is off: PostgreSQL
+    compiled each large query for seconds (5.0 s of a 10.7 s query at 200,000 refunds,
+    docs/PERFORMANCE.md) that then ran once.
+    Inside a transaction already (a test's), or not on PostgreSQL, stages run as they are."""
+
+    def __init__(self):
+        self.holder, self.id = None, None
+        if connection.vendor == "postgresql" and not connection.in_atomic_block:
+            self.holder = psycopg.connect(parallel.conninfo(), autocommit=True)
+            self.holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            self.id = self.holder.execute("SELECT pg_export_snapshot()").fetchone()[0]
+            if not re.fullmatch(r"[0-9A-F-]+", self.id):  # spelled into SET TRANSACTION SNAPSHOT below
+                raise ValueError(f"unexpected snapshot id {self.id!r}")
+
+    @contextmanager
+    def stage(self):
+        if self.id is None:
+            yield
+            return
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            cursor.execute(f"SET TRANSACTION SNAPSHOT '{self.id}'")
+            cursor.execute("SET LOCAL jit = off")
+            # Refunds paid hashes a quarter's verdicts and sorts ~1M rows: in 64 batches and on disk at
+            # the default 4 MB (39 s for the query at 1,000,000 refunds), in 4 batches at 64 MB (22 s).
+            cursor.execute("SET LOCAL work_mem = '64MB'")
+            yield
+
+    def close(self) -> None:
+        if self.holder is not None:
+            self.holder.close()
 
 
 # -- the pack -----------------------------------------------------------------------------------
@@ -644,37 +765,57 @@ def build_pack(*, start: datetime, end: datetime, out: str | Path, signing_key: 
     period, out = Period(start, end, merchant_id), Path(out)
     digests: dict[str, str] = {}
     controls: list[Control] = []
-    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for slug, title, evidence, check in CONTROLS:
-            progress(title)
-            control = Control(slug, title, evidence)
-            header, rows = check(period, control)
-            _Hashed(archive, control.csv_name, digests).write_all(csv_lines(header, rows))
-            control.verdict = _sentence(control)
-            controls.append(control)
-        progress("Audit chain")
-        chain = Control("audit_chain", "Full log: the audit chain", "the record of every call, key, amount, "
-                        "verdict and gateway response")
-        heads, header, rows = chain_segment(period, chain)
-        _Hashed(archive, "audit_chain_segment.csv", digests).write_all(csv_lines(header, rows))
-        chain.verdict = _sentence(chain).replace(chain.csv_name, "audit_chain_segment.csv")
-        controls.append(chain)
-        summary = render_to_string("audit/evidence_summary.html", {
+    seal()  # as audit_head does: what is committed (verdicts too) is in the chain before its heads are read
+    walk = _ChainWalk()
+    snapshot = _Snapshot()
+    try:
+        with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+            for slug, title, evidence, check in CONTROLS:
+                progress(title)
+                control = Control(slug, title, evidence)
+                with snapshot.stage():
+                    header, rows = check(period, control)
+                    _Hashed(archive, control.csv_name, digests).write_all(csv_lines(header, rows))
+                control.verdict = _sentence(control)
+                controls.append(control)
+            progress("Audit chain")
+            chain = Control("audit_chain", "Full log: the audit chain", "the record of every call, key, amount, "
+                            "verdict and gateway response")
+            with snapshot.stage():
+                heads, header, rows = chain_segment(period, chain, walk)
+                _Hashed(archive, "audit_chain_segment.csv", digests).write_all(csv_lines(header, rows))
+            snapshot.close()
+            chain.verdict = _sentence(chain).replace(chain.csv_name, "audit_chain_segment.csv")
+            controls.append(chain)
+            manifest, body = _summary_and_manifest(archive, digests, controls, heads, period, signing_key, progress)
+    finally:
+        snapshot.close()
+        if walk.thread is not None:
+            walk.thread.join()  # a failure above: the walk's workers end before the pack's error is raised
+    return PackResult(out, controls, manifest, hashlib.sha256(body).hexdigest())
+
+
+def _summary_and_manifest(archive: zipfile.ZipFile, digests: dict[str, str], controls: list[Control],
+                          heads: dict[str, str], period: Period, signing_key: Ed25519PrivateKey,
+                          progress: Callable[[str], None]) -> tuple[dict[str, Any], bytes]:
+    """summary.html and .pdf, then the manifest of every file, signed; the manifest and its bytes."""
+    start, end, merchant_id = period.start, period.end, period.merchant_id
+    summary = render_to_string("audit/evidence_summary.html", {
             "start": start, "end": end, "merchant": merchant_id or "every merchant", "controls": controls,
             "heads": heads, "version": _product_version(), "built_at": timezone.now(),
-            "exceptions": sum(c.exception_count for c in controls)})
-        _Hashed(archive, "summary.html", digests).write_all([summary.encode()])
-        progress("summary.pdf")
-        _Hashed(archive, "summary.pdf", digests).write_all([summary_pdf(summary)])
-        manifest = {"format": "refundops-evidence-pack/1", "period": {"from": start.isoformat(), "to": end.isoformat()},
-                    "merchant": merchant_id, "product_version": _product_version(),
-                    "built_at": timezone.now().isoformat(), "audit_chain_heads": heads,
-                    "exceptions": {c.slug: c.exception_count for c in controls},
-                    "files": dict(sorted(digests.items()))}
-        body = json.dumps(manifest, sort_keys=True, indent=2).encode()
-        archive.writestr(MANIFEST, body)
-        archive.writestr(SIGNATURE, base64.b64encode(signing_key.sign(body)) + b"\n")
-    return PackResult(out, controls, manifest, hashlib.sha256(body).hexdigest())
+        "exceptions": sum(c.exception_count for c in controls)})
+    _Hashed(archive, "summary.html", digests).write_all([summary.encode()])
+    progress("summary.pdf")
+    _Hashed(archive, "summary.pdf", digests).write_all([summary_pdf(summary)])
+    manifest = {"format": "refundops-evidence-pack/1", "period": {"from": start.isoformat(), "to": end.isoformat()},
+                "merchant": merchant_id, "product_version": _product_version(),
+                "built_at": timezone.now().isoformat(), "audit_chain_heads": heads,
+                "exceptions": {c.slug: c.exception_count for c in controls},
+                "files": dict(sorted(digests.items()))}
+    body = json.dumps(manifest, sort_keys=True, indent=2).encode()
+    archive.writestr(MANIFEST, body)
+    archive.writestr(SIGNATURE, base64.b64encode(signing_key.sign(body)) + b"\n")
+    return manifest, body
 
 
 def summary_pdf(summary_html: str) -> bytes:

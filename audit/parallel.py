@@ -57,7 +57,7 @@ def usable(processes: int) -> bool:
     return processes > 1 and connection.vendor == "postgresql" and not connection.in_atomic_block
 
 
-def _conninfo() -> str:
+def conninfo() -> str:
     params = connection.get_connection_params()
     plain = {k: v for k, v in params.items() if isinstance(v, str | int) and not isinstance(v, bool)
              and k not in ("cursor_factory", "context", "prepare_threshold")}
@@ -88,7 +88,7 @@ def _job(*, batch_size: int, head: Head | None) -> dict[str, Any]:
     by_name = {f.name: f for f in AuditEntry._meta.concrete_fields}
     columns = [connection.ops.quote_name(AuditEntry._meta.pk.column if name == "pk" else by_name[name].column)
                for name in ENTRY_COLUMNS]
-    return {"conninfo": _conninfo(), "key": settings.AUDIT_KEY, "batch_size": batch_size,
+    return {"conninfo": conninfo(), "key": settings.AUDIT_KEY, "batch_size": batch_size,
             "head": [head.seq, head.hash] if head else None, "models": _models(),
             "entry_table": connection.ops.quote_name(AuditEntry._meta.db_table), "entry_columns": columns}
 

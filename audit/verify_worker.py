@@ -142,7 +142,7 @@ def check_range(job: dict[str, Any], report: Callable[[int], None]) -> dict[str,
 
 
 def _records_fault(conn: psycopg.Connection, chunk: list[tuple], models: dict[str, dict[str, Any]]):
-    """``audit.chain._records_fault``, reading each model's rows with one ``= ANY`` query."""
+    """``audit.chain._records_fault``, reading each model's rows with ``= ANY`` queries of RECORDS_BATCH."""
     digests: dict[tuple[str, Any], str] = {}
     for label, pks in walk.wanted_records(chunk).items():
         spec = models.get(label)
@@ -154,8 +154,9 @@ def _records_fault(conn: psycopg.Connection, chunk: list[tuple], models: dict[st
             raise Fallback(f"records of {label} by pks of another type")
         query = f"SELECT {spec['pk']}, {', '.join(spec['columns'])} FROM {spec['table']} WHERE {spec['pk']} = ANY(%s)"
         names = spec["names"]
-        for pk, *values in conn.execute(query, [list(pks)]):
-            digests[label, pk] = walk.values_digest(label, names, values)
+        for batch in walk.batches(pks):
+            for pk, *values in conn.execute(query, [batch]):
+                digests[label, pk] = walk.values_digest(label, names, values)
     return walk.first_records_fault(chunk, digests, lambda label: models[label]["verbose"])
 
 

@@ -11,7 +11,7 @@ import functools
 import hashlib
 import hmac
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time
 from decimal import Decimal
@@ -123,6 +123,18 @@ def first_broken_link(chunk: Sequence[tuple], *, key: str, prev_hash: str, expec
             return index, f"entry #{seq} does not match the head kept outside the database ({head})"
         prev_hash = digest
     return len(chunk), ""
+
+
+# Recorded rows read per query: a chunk's entries may record many more rows than there are entries (a
+# verdicts.chained entry records hundreds or thousands of verdicts), and only their digests are kept.
+RECORDS_BATCH = 5_000
+
+
+def batches(pks: set[Any]) -> Iterator[list[Any]]:
+    """``pks`` in lists of at most RECORDS_BATCH: one query each, its rows dropped once digested."""
+    listed = list(pks)
+    for start in range(0, len(listed), RECORDS_BATCH):
+        yield listed[start:start + RECORDS_BATCH]
 
 
 def wanted_records(chunk: Sequence[tuple]) -> dict[str, set[Any]]:

@@ -6,9 +6,11 @@ Recreates the database ``refundops_bench_evidence`` (or ``$BENCH_DATABASE``; Pos
 migrates it and seeds the quarter 2026-10-01..2026-12-31 with set-based SQL (``INSERT … SELECT …
 FROM generate_series``, as bench/admin_scale.py does): per refund one payment, one verdict with its running totals, one
 gateway attempt when it was paid, and one audit entry; a customer for every ten payments; limits
-and an agent in force from before the quarter. The audit entries need the key's MAC, so they are
-written from Python (COPY) and sealed by the real sealer: the pack's ``verify_audit`` walks a chain
-that verifies. ``--reuse`` keeps an already seeded database of the same size.
+and an agent in force from before the quarter. The audit entries need the key's MAC, the verdicts
+the sealer's cover: ``bench/fast_chain.py`` computes both with the real functions in two processes
+and COPYs the entries already sealed (linked by the sealer's own function), so the pack's
+``verify_audit`` walks a chain that verifies (tests/test_bench_fast_chain.py). ``--reuse`` keeps an
+already seeded database of the same size; ``--seed-only`` seeds and stops.
 
 Then, each in a fresh process so that each peak memory is its own:
 - the floor: a plain streaming read of the same rows (verdicts, refunds, attempts, audit entries of
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import io
 import json
 import os
@@ -33,6 +36,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.fast_chain import COVER_MARK_SQL  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DB_NAME = os.environ.get("BENCH_DATABASE", "refundops_bench_evidence")  # another name: a run of its own
@@ -71,7 +77,7 @@ SEED = [
                                  'customer_30d_minor', i %% 9000, 'customer_30d_count', i %% 9,
                                  'global_day_minor', i %% 900000, 'agent_hour_minor', i %% 50000,
                                  'agent_day_minor', i %% 400000, 'session_minor', i %% 2000),
-              '[]', 'limits v1 / rules v1', '{{}}', '{{}}', '{{}}', gen_random_uuid()
+              '[]', 'limits v1 / rules v1', '{{}}', '{{}}', '{{}}', {COVER_MARK_SQL}
        FROM generate_series(1, %(n)s) i""",
     f"""INSERT INTO refundops_refund (id, amount_minor, currency, reason, note, status, origin, agent_session_id,
               agent_model, agent_reasoning, conversation_context, idempotency_key, hold_reasons,
@@ -101,7 +107,7 @@ def _django(db: str = DB_NAME) -> None:
     django.setup()
 
 
-def seed(n: int) -> None:
+def seed(n: int, processes: int = 2) -> None:
     _django()
     from bench.admin_scale import fresh_database
 
@@ -119,44 +125,45 @@ def seed(n: int) -> None:
     agent = Agent.objects.create(name="support-bot", capabilities=[Capability.PAYMENTS_READ, Capability.REFUNDS_CREATE])
     Agent.history.filter(id=agent.pk).update(history_date=before)
     with psycopg.connect(f"{PG}/{DB_NAME}") as conn:
+        conn.execute("SET synchronous_commit = off")  # a bench's rows: a crash means seeding again
         # Bench-only: foreign keys and the audit triggers step aside while the rows go in.
         conn.execute("SET session_replication_role = replica")
         for sql in SEED:
             started = time.perf_counter()
             conn.execute(sql, {"n": n, "agent": agent.pk})
+            conn.commit()
             print(f"  seeded {sql.split()[2]:<28} {time.perf_counter() - started:6.1f} s", flush=True)
     started = time.perf_counter()
-    seed_audit_entries(n)
-    print(f"  seeded audit_auditentry (MAC, COPY)  {time.perf_counter() - started:6.1f} s", flush=True)
+    from audit.chain import seal
+
+    seal()  # what the setup above wrote (the agent's creation, if audited), before the seeded chain
+    from bench.fast_chain import COVER, write_chain
+
+    tasks = [(entries_of, (lo, min(lo + COVER - 1, n), n)) for lo in range(1, n + 1, COVER)]
+    written = write_chain(f"{PG}/{DB_NAME}", tasks, processes=processes)
+    print(f"  seeded audit_auditentry: {written:,} sealed (MACs in {processes} processes, COPY) "
+          f"{time.perf_counter() - started:6.1f} s", flush=True)
     started = time.perf_counter()
-    from audit.chain import seal_pending
-    sealed = seal_pending(batch_size=5_000)
-    print(f"  sealed {sealed:,} audit entries        {time.perf_counter() - started:6.1f} s", flush=True)
     with psycopg.connect(f"{PG}/{DB_NAME}", autocommit=True) as conn:
         conn.execute("VACUUM ANALYZE")
+    print(f"  VACUUM ANALYZE {time.perf_counter() - started:6.1f} s", flush=True)
 
 
-def seed_audit_entries(n: int) -> None:
-    """One entry per refund (its decision), MAC'd with the key as record_audit would, sent by COPY."""
-    from audit.chain import entry_mac
-    from audit.models import AuditEntry
-    import hashlib
+def entries_of(lo: int, hi: int, n: int) -> list:
+    """The entries of refunds lo..hi (one each, its decision), then the sealer's verdicts.chained entry
+    for their verdicts (verdict i is refund i's; the SQL marked them with this batch's uid)."""
+    from bench.fast_chain import COVER, cover_entry
 
-    columns = ("uid", "created_at", "actor", "action", "subject_type", "subject_id", "data", "records", "mac",
-               "prev_hash", "hash")
     span = END - START - timedelta(seconds=1)
-    with psycopg.connect(f"{PG}/{DB_NAME}") as conn, conn.cursor() as cursor:
-        conn.execute("SET session_replication_role = replica")
-        with cursor.copy(f"COPY audit_auditentry ({', '.join(columns)}) FROM STDIN") as copy:
-            for i in range(1, n + 1):
-                refund = "rf_" + hashlib.md5(f"r{i}".encode()).hexdigest()[:24]
-                entry = AuditEntry(uid=uuid.uuid4(), created_at=START + span * (i / n), actor="agent:support-bot",
-                                   action="refund.approved" if i % 20 else "refund.denied", subject_type="refund",
-                                   subject_id=refund, data={"amount_minor": 500 + i % 500, "currency": "USD"},
-                                   records=[])
-                entry.mac = entry_mac(entry)
-                copy.write_row((entry.uid, entry.created_at, entry.actor, entry.action, entry.subject_type,
-                                entry.subject_id, json.dumps(entry.data), "[]", entry.mac, "", ""))
+    entries = []
+    for i in range(lo, hi + 1):
+        refund = "rf_" + hashlib.md5(f"r{i}".encode()).hexdigest()[:24]
+        entries.append((uuid.UUID(hashlib.md5(f"e{i}".encode()).hexdigest()), START + span * (i / n),
+                        "agent:support-bot", "refund.approved" if i % 20 else "refund.denied", "refund", refund,
+                        {"amount_minor": 500 + i % 500, "currency": "USD"}, []))
+    verdicts = ["vd_" + hashlib.md5(f"v{i}".encode()).hexdigest()[:24] for i in range(lo, hi + 1)]
+    entries.append(cover_entry((lo - 1) // COVER, verdicts))
+    return entries
 
 
 def floor(n: int) -> None:
@@ -227,6 +234,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--refunds", type=int, default=200_000)
     parser.add_argument("--reuse", action="store_true", help="build on the database already seeded")
+    parser.add_argument("--seed-only", action="store_true", help="seed the database, measure nothing")
+    parser.add_argument("--seed-processes", type=int, default=2, help="processes computing the chain's MACs")
     parser.add_argument("--phase", choices=("floor", "pack"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
@@ -237,8 +246,11 @@ def main() -> None:
         return
     if not args.reuse:
         started = time.perf_counter()
-        seed(args.refunds)
-        print(f"seeded {args.refunds:,} refunds in the quarter in {time.perf_counter() - started:.0f} s", flush=True)
+        seed(args.refunds, args.seed_processes)
+        print(f"seeded {args.refunds:,} refunds in the quarter in {time.perf_counter() - started:.0f} s "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    if args.seed_only:
+        return
     floor_s, floor_mib, floor_out = measured("floor", args.refunds)
     pack_s, pack_mib, pack_out = measured("pack", args.refunds)
     print(pack_out.strip())

@@ -67,7 +67,7 @@ def pytest_configure(config):
 SLOW_MODULES = {
     "test_admin_browser", "test_roles_browser", "test_scripts_run", "test_chaos", "test_drain",
     "test_bench_locks", "test_bench_day_volume", "test_fuzz_http", "test_fuzz_mcp", "test_fuzz_admin",
-    "test_example_agent", "test_embedded_worker",
+    "test_example_agent", "test_embedded_worker", "test_bench_fast_chain",
 }
 SLOW_TESTS = {
     "test_csv_export.py::test_exporting_a_hundred_thousand_rows_streams_in_constant_memory",

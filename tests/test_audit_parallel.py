@@ -197,7 +197,7 @@ def test_values_spelled_at_load_by_the_workers_spell_as_djangos(at, amount, uid,
     with connection.cursor() as cursor:
         cursor.execute(query, values)
         djangos = cursor.fetchone()
-    with verify_worker.connect(parallel._conninfo()) as conn:
+    with verify_worker.connect(parallel.conninfo()) as conn:
         workers = conn.execute(query, values).fetchone()
     assert [walk.canonical(v) for v in workers] == [walk.canonical(v) for v in djangos]
     assert all(type(v) is str for v in workers)  # spelled once, at load
@@ -216,3 +216,43 @@ def test_when_no_process_can_be_started_one_process_walks_the_chain(ranges, monk
     monkeypatch.setattr(parallel.subprocess, "Popen", refused)
     assert outcome("--processes", "2") == one and "entry #9 was altered" in one
     assert ranges == []  # no range was started
+
+
+class _Counting:
+    """A worker's connection that notes how many primary keys each records query asks for."""
+
+    def __init__(self, conn):
+        self.conn, self.sizes = conn, []
+
+    def execute(self, query, params):
+        self.sizes.append(len(params[0]))
+        return self.conn.execute(query, params)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_entry_recording_more_rows_than_one_query_reads_is_checked_in_batches_by_both_walks(monkeypatch):
+    """A verdicts.chained entry records up to a sealer batch of verdicts, and a chunk of entries may hold
+    hundreds of them (at 3 M entries, 212 entries of 5,000 verdicts: 1.06 M rows read in one query, 900 MB).
+    The rows are read RECORDS_BATCH at a time by both walks, and an edit in a later batch is still found."""
+    from django.test.utils import CaptureQueriesContext
+
+    monkeypatch.setattr(walk, "RECORDS_BATCH", 4, raising=False)
+    for i in range(10):
+        Verdict.objects.create(operation="refund.check", outcome="approved", idempotency_key=f"batch-{i}")
+    chain.seal()
+    chunk = list(AuditEntry.objects.filter(action=chain.VERDICTS_CHAINED).values_list(*walk.ENTRY_COLUMNS))
+    assert len(chunk) == 1 and len(chunk[0][walk.RECORDS]) == 10
+    with CaptureQueriesContext(connection) as queries:
+        assert chain._records_fault(chunk) is None
+    read = [q["sql"] for q in queries.captured_queries if 'FROM "audit_verdict"' in q["sql"]]
+    assert len(read) == 3  # 4 + 4 + 2
+    with verify_worker.connect(parallel.conninfo()) as conn:
+        counting = _Counting(conn)
+        assert verify_worker._records_fault(counting, chunk, parallel._models()) is None
+        assert counting.sizes == [4, 4, 2]
+        last = chunk[0][walk.RECORDS][-1]["pk"]
+        with as_table_owner():
+            sql("UPDATE audit_verdict SET message = 'edited' WHERE id = %s", [last])
+        found = verify_worker._records_fault(conn, chunk, parallel._models())
+    assert found is not None and found[0] == 0 and found[1].endswith(f"{last} it records was altered")
+    assert chain._records_fault(chunk) == found

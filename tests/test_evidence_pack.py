@@ -11,15 +11,18 @@ import json
 import subprocess
 import sys
 import zipfile
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
+import hypothesis
 import pytest
 from django.core.management import call_command
 from django.utils import timezone
 
 from audit.chain import seal
 from audit.evidence import build_pack, load_signing_key, new_signing_key, verify_pack
+from audit.exports import csv_cell
 from audit.models import AuditEntry, Verdict
 from processors import sandbox
 from processors.models import InboundEvent
@@ -462,3 +465,68 @@ def test_the_packs_verify_audit_runs_in_processes_and_says_what_one_process_says
     one = says(1)
     assert one.startswith("does not verify: entry #10 was altered after it was written (entry id ")
     assert says(2) == one and runs[-1] == {"ranges": 2, "taken": 2, "checked_here_from": None}
+
+
+# Timestamps only written to a CSV are spelled by PostgreSQL (audit.evidence.IsoText): the same text
+# csv_cell writes for the datetime Django reads, or the pack's bytes would change with the speed-up.
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(moment=hypothesis.strategies.datetimes(
+    min_value=datetime(1000, 1, 1), max_value=datetime(9998, 12, 31), timezones=hypothesis.strategies.sampled_from(
+        [UTC, ZoneInfo("America/New_York"), ZoneInfo("Asia/Kolkata"), ZoneInfo("Pacific/Chatham")])))
+def test_postgresqls_spelling_of_a_timestamp_is_csv_cells_of_the_datetime_django_reads(moment):
+    from django.db import connection
+
+    from audit.evidence import ISO_UTC_SQL
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT %s::timestamptz, {ISO_UTC_SQL.format(x='%s::timestamptz')}", [moment] * 4)
+        read, spelled = cursor.fetchone()
+    assert spelled == csv_cell(read)
+
+
+def test_the_packs_timestamp_cells_are_spelled_as_before_through_the_orm():
+    from django.db.models import DateTimeField, Value
+
+    from audit.evidence import IsoText, _iso
+
+    moments = [datetime(2026, 10, 1, tzinfo=UTC), datetime(2026, 12, 31, 23, 59, 59, 999_999, tzinfo=UTC),
+               datetime(2026, 11, 1, 6, 30, 0, 1, tzinfo=UTC)]
+    for index, moment in enumerate(moments):
+        verdict = Verdict.objects.create(operation="refund.check", outcome="approved",
+                                         idempotency_key=f"iso-{index}")
+        Verdict.objects.filter(pk=verdict.pk).update(created_at=moment)
+    rows = Verdict.objects.filter(idempotency_key__startswith="iso-").values_list("created_at", _iso("created_at"))
+    assert sorted(spelled for _, spelled in rows) == sorted(csv_cell(read) for read, _ in rows)
+    assert all(type(spelled) is str for _, spelled in rows)
+    nothing = Verdict.objects.annotate(t=IsoText(Value(None, output_field=DateTimeField()))).values_list("t")[:1]
+    assert [t for (t,) in nothing] == [None]  # a NULL stays NULL: csv_cell writes ""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_whole_pack_reads_one_snapshot_and_progress_is_written_between_its_stages(tmp_path, signing):
+    """Every control counts the moment the pack began: a verdict committed while it is being built (here by
+    the progress callback, on the connection the admin's progress uses) is in no control's CSV. The
+    progress writes themselves go through: the stages' read-only transactions are not around them."""
+    from audit.models import EvidencePack
+
+    start, end = _period()
+    before = Verdict.objects.create(operation="refund.check", outcome="approved", idempotency_key="snap-before")
+    pack = EvidencePack.objects.create(requested_by="auditor", first_day=start.date(), last_day=end.date())
+    steps: list[str] = []
+
+    def progress(step: str) -> None:
+        EvidencePack.objects.filter(pk=pack.pk).update(step=step, steps_done=len(steps))  # a write, committed
+        if step == "Capabilities used":  # after the verdicts' CSV, before capability_use reads the verdicts
+            Verdict.objects.create(operation="refund.check", outcome="approved", agent_id="ag_late",
+                                   idempotency_key="snap-late")
+        steps.append(step)
+
+    build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0], progress=progress)
+    with zipfile.ZipFile(tmp_path / "pack.zip") as archive:
+        verdicts = archive.read("controls/verdicts.csv").decode()
+        used = archive.read("controls/capability_use.csv").decode()
+    assert before.pk in verdicts
+    late = Verdict.objects.get(idempotency_key="snap-late")
+    assert late.pk not in used and late.pk not in verdicts
+    pack.refresh_from_db()
+    assert pack.step == "summary.pdf" and pack.steps_done == len(steps) - 1
