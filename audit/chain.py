@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -253,7 +254,8 @@ def _walk(*, batch_size: int, progress: _Progress, head: Head | None, prev_hash:
 
 
 def verify_chain(*, batch_size: int = 5000, progress_every: int | None = None, head: Head | None = None,
-                 now: datetime | None = None, processes: int = 1) -> Iterator[tuple[int, AuditEntry | None, str]]:
+                 now: datetime | None = None, processes: int = 1,
+                 snapshot: str | None = None) -> Iterator[tuple[int, AuditEntry | None, str]]:
     """Yield (sealed entries checked so far, first bad entry or None, why): progress items carry an
     empty why, one for each ``progress_every`` entries (at the end of the chunk that reaches it;
     without it, one a chunk); the last item says "ok" or what is wrong. With ``head`` (exported
@@ -267,12 +269,40 @@ def verify_chain(*, batch_size: int = 5000, progress_every: int | None = None, h
     transaction: the other processes read what is committed), the chain is split into that many
     ranges of seq, each checked by its own process (``audit.verify_worker``, the same checks of
     ``audit.walk``); the results are put together in chain order, so the failure named is the one
-    a single process names (``audit.parallel``)."""
-    progress = _Progress(progress_every)
+    a single process names (``audit.parallel``).
+
+    With ``snapshot`` (an id of ``pg_export_snapshot``, its exporter's transaction still open), every
+    read, in this process and in the others, is of that snapshot: the evidence pack's walk judges the
+    very rows its CSV lists, not the table a moment later."""
     from audit import parallel
 
-    if parallel.usable(processes):
-        checked = yield from parallel.walk(processes=processes, batch_size=batch_size, progress=progress, head=head)
+    in_parallel = parallel.usable(processes)  # before the snapshot's transaction, which other processes share
+    if snapshot is None:
+        return (yield from _verify(batch_size=batch_size, progress=_Progress(progress_every), head=head, now=now,
+                                   processes=processes if in_parallel else 1, snapshot=None))
+    check_snapshot_id(snapshot)
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            cursor.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
+        yield from _verify(batch_size=batch_size, progress=_Progress(progress_every), head=head, now=now,
+                           processes=processes if in_parallel else 1, snapshot=snapshot)
+
+
+def check_snapshot_id(snapshot: str) -> str:
+    """A snapshot id as pg_export_snapshot spells it (it is spelled into SET TRANSACTION SNAPSHOT)."""
+    if not re.fullmatch(r"[0-9A-F-]+", snapshot):
+        raise ValueError(f"unexpected snapshot id {snapshot!r}")
+    return snapshot
+
+
+def _verify(*, batch_size: int, progress: _Progress, head: Head | None, now: datetime | None, processes: int,
+            snapshot: str | None) -> Iterator[tuple[int, AuditEntry | None, str]]:
+    from audit import parallel
+
+    if processes > 1:
+        checked = yield from parallel.walk(processes=processes, batch_size=batch_size, progress=progress, head=head,
+                                           snapshot=snapshot)
     else:
         checked = yield from _walk(batch_size=batch_size, progress=progress, head=head)
     if checked is None:

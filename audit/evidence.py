@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import re
 import threading
 import zipfile
 from collections.abc import Callable, Iterable
@@ -36,7 +35,7 @@ from django.template.loader import render_to_string
 from django.utils import timezone
 
 from audit import parallel, verify_worker
-from audit.chain import GENESIS, Head, seal, verify_chain
+from audit.chain import GENESIS, Head, check_snapshot_id, seal, verify_chain
 from audit.exports import csv_lines
 from audit.models import AuditEntry, Verdict
 from audit.parallel import default_processes
@@ -631,13 +630,15 @@ def _head_before(moment: datetime) -> Head:
 class _ChainWalk:
     """``verify_audit``'s walk of the whole chain (in as many processes as there are cores), what it
     says as the summary's sentence, and its exception if any. Beside the CSV stages in a thread of its
-    own (its own connection, reading what is committed) when the pack is built outside a transaction
+    own (its own connection and processes, each importing the pack's snapshot: the sentence is about
+    the rows the pack lists, not the table a moment later) when the pack is built outside a transaction
     on PostgreSQL; else here, when the chain's stage asks for it (a test's transaction: only this
     connection sees its rows)."""
 
-    def __init__(self):
+    def __init__(self, snapshot: str | None):
         self.verified, self.bad, self.thread, self.error = "not run", None, None, None
-        if parallel.usable(2):
+        self.snapshot = snapshot  # the pack's: the walk judges the rows the pack lists
+        if snapshot is not None and parallel.usable(2):
             self.thread = threading.Thread(target=self._in_thread, name="evidence-pack-chain-walk", daemon=True)
             self.thread.start()
 
@@ -650,7 +651,7 @@ class _ChainWalk:
             connections.close_all()  # this thread's connections only
 
     def _walk(self) -> None:
-        for _, bad, why in verify_chain(processes=default_processes()):
+        for _, bad, why in verify_chain(processes=default_processes(), snapshot=self.snapshot):
             if why and why != "ok":
                 self.verified = f"does not verify: {why}" + (f" (entry id {bad.pk})" if bad is not None else "")
                 self.bad = f"#{bad.seq}" if bad is not None and bad.seq else "chain"
@@ -712,8 +713,7 @@ class _Snapshot:
             self.holder = psycopg.connect(parallel.conninfo(), autocommit=True)
             self.holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             self.id = self.holder.execute("SELECT pg_export_snapshot()").fetchone()[0]
-            if not re.fullmatch(r"[0-9A-F-]+", self.id):  # spelled into SET TRANSACTION SNAPSHOT below
-                raise ValueError(f"unexpected snapshot id {self.id!r}")
+            check_snapshot_id(self.id)  # spelled into SET TRANSACTION SNAPSHOT below
 
     @contextmanager
     def stage(self):
@@ -766,8 +766,8 @@ def build_pack(*, start: datetime, end: datetime, out: str | Path, signing_key: 
     digests: dict[str, str] = {}
     controls: list[Control] = []
     seal()  # as audit_head does: what is committed (verdicts too) is in the chain before its heads are read
-    walk = _ChainWalk()
     snapshot = _Snapshot()
+    walk = _ChainWalk(snapshot.id)  # reads the snapshot too, in its own transactions (the holder's is open)
     try:
         with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as archive:
             for slug, title, evidence, check in CONTROLS:

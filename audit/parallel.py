@@ -134,15 +134,15 @@ def observe(run: dict[str, Any]) -> None:
     the count from which this process walked on by itself (None if it did not)."""
 
 
-def walk(*, processes: int, batch_size: int, progress: chain._Progress,
-         head: Head | None) -> Iterator[tuple[int, AuditEntry | None, str]]:
+def walk(*, processes: int, batch_size: int, progress: chain._Progress, head: Head | None,
+         snapshot: str | None = None) -> Iterator[tuple[int, AuditEntry | None, str]]:
     """``chain._walk`` over ``processes`` ranges at once; the same items, returns the same count."""
     last = AuditEntry.objects.filter(seq__isnull=False).aggregate(last=Max("seq"))["last"]
     if last is None or last < max(MIN_ENTRIES, processes):
         return (yield from chain._walk(batch_size=batch_size, progress=progress, head=head))
     bounds = [None, *(last * k // processes for k in range(1, processes)), None]
     said: queue.Queue = queue.Queue()
-    job = _job(batch_size=batch_size, head=head)
+    job = {**_job(batch_size=batch_size, head=head), "snapshot": snapshot}  # each range reads the same snapshot
     ranges: list[_Range] = []
     try:
         for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):

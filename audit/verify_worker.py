@@ -25,6 +25,7 @@ from datetime import UTC
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.adapt import Loader
 from psycopg.pq import Format
 from psycopg.types.json import set_json_loads
@@ -110,6 +111,9 @@ def check_range(job: dict[str, Any], report: Callable[[int], None]) -> dict[str,
     if hi is not None:
         select += f" AND {seq} <= %(hi)s"
     with connect(job["conninfo"]) as conn:
+        if job.get("snapshot"):  # the evidence pack's: every range reads the rows its CSV lists
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(job["snapshot"])))
         start_prev = None
         if lo is None:
             prev_hash, after = walk.GENESIS, None

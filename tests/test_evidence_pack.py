@@ -530,3 +530,50 @@ def test_the_whole_pack_reads_one_snapshot_and_progress_is_written_between_its_s
     assert late.pk not in used and late.pk not in verdicts
     pack.refresh_from_db()
     assert pack.step == "summary.pdf" and pack.steps_done == len(steps) - 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_packs_verify_audit_judges_the_entries_the_pack_lists(tmp_path, signing, monkeypatch, processes):
+    """verify_audit's sentence is about the chain in the pack's snapshot, not about the table a moment
+    later: an entry altered when the snapshot is taken and put back before the walk reads it is listed
+    altered in audit_chain_segment.csv, so the pack must not say "ok" (it did: the walk read what was
+    committed, beside the snapshot). In one process and in two."""
+    import threading
+
+    from audit import evidence, parallel
+    from tests.test_audit_chain import as_table_owner, sql, write_sealed
+
+    monkeypatch.setattr(parallel, "MIN_ENTRIES", 0)
+    monkeypatch.setattr(evidence, "default_processes", lambda: processes)
+    runs: list[dict] = []
+    monkeypatch.setattr(parallel, "observe", runs.append)
+    write_sealed(12)
+    start, end = _period()
+    taken = threading.Event()
+    real_snapshot, real_verify = evidence._Snapshot.__init__, evidence.verify_chain
+
+    def snapshot_of_an_altered_entry(self):
+        with as_table_owner():
+            sql("UPDATE audit_auditentry SET actor = 'user:mallory' WHERE seq = 5")
+        real_snapshot(self)
+        with as_table_owner():
+            sql("UPDATE audit_auditentry SET actor = 'user:alice' WHERE seq = 5")  # put back
+        taken.set()
+
+    def verify_after_the_snapshot(*args, **kwargs):
+        assert taken.wait(30)
+        return (yield from real_verify(*args, **kwargs))
+
+    original_actor = AuditEntry.objects.get(seq=5).actor
+    monkeypatch.setattr(evidence._Snapshot, "__init__", snapshot_of_an_altered_entry)
+    monkeypatch.setattr(evidence, "verify_chain", verify_after_the_snapshot)
+    result = build_pack(start=start, end=end, out=tmp_path / "pack.zip", signing_key=signing[0])
+    with zipfile.ZipFile(tmp_path / "pack.zip") as archive:
+        segment = list(csv.DictReader(io.StringIO(archive.read("audit_chain_segment.csv").decode())))
+    assert original_actor == "user:alice"
+    assert [r["actor"] for r in segment if r["seq"] == "5"] == ["user:mallory"]  # what the pack lists
+    says = result.manifest["audit_chain_heads"]["verify_audit"]
+    assert says.startswith("does not verify: entry #5 was altered after it was written"), says
+    # in two processes, the range holding #5 read the snapshot itself (no walk here in its place)
+    assert runs == ([] if processes == 1 else [{"ranges": 2, "taken": 1, "checked_here_from": None}])
