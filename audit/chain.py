@@ -39,6 +39,7 @@ from django.apps import apps
 from django.conf import settings
 from django.db import connection, models, transaction
 from django.db.models import Count
+from django.db.models.expressions import RawSQL
 from django.utils import timezone
 
 from audit import walk
@@ -234,7 +235,10 @@ def _walk(*, batch_size: int, progress: _Progress, head: Head | None, prev_hash:
         sealed = sealed.filter(seq__gt=after)
     chunk: list[tuple] = []
     while True:
-        chunk = list(sealed.filter(seq__gt=chunk[-1][1])[:batch_size] if chunk else sealed[:batch_size])
+        start = chunk[-1][1] if chunk else after
+        end = RawSQL(_chunk_end_sql(start is not None), [*([] if start is None else [start]), batch_size,
+                                                         walk.RECORDS_BATCH])
+        chunk = list((sealed.filter(seq__gt=start) if chunk else sealed).filter(seq__lte=end)[:batch_size])
         if not chunk:
             break
         verified, why = walk.first_broken_link(chunk, key=settings.AUDIT_KEY, prev_hash=prev_hash,
@@ -248,9 +252,17 @@ def _walk(*, batch_size: int, progress: _Progress, head: Head | None, prev_hash:
             return None
         checked, prev_hash = checked + len(chunk), chunk[-1][-1]
         yield from progress.at(checked)
-        if len(chunk) < batch_size:
+        if walk.chunk_is_last(chunk, batch_size, walk.RECORDS_BATCH):
             break
     return checked
+
+
+def _chunk_end_sql(after: bool) -> str:
+    """walk.chunk_end_sql for this database: the next chunk's last seq, its rows recorded bounded too."""
+    quote, fields = connection.ops.quote_name, {f.name: f.column for f in AuditEntry._meta.concrete_fields}
+    return walk.chunk_end_sql(connection.vendor, table=quote(AuditEntry._meta.db_table), seq=quote(fields["seq"]),
+                              records=quote(fields["records"]), after="%s" if after else None, limit="%s",
+                              most="%s")
 
 
 def verify_chain(*, batch_size: int = 5000, progress_every: int | None = None, head: Head | None = None,

@@ -34,6 +34,7 @@ from django.db.models import Max
 from psycopg.conninfo import make_conninfo
 
 from audit import chain
+from audit import walk as rules  # this module's walk() is the parallel one
 from audit.models import AuditEntry
 from audit.walk import GENESIS, ENTRY_COLUMNS, Head
 
@@ -89,6 +90,7 @@ def _job(*, batch_size: int, head: Head | None) -> dict[str, Any]:
     columns = [connection.ops.quote_name(AuditEntry._meta.pk.column if name == "pk" else by_name[name].column)
                for name in ENTRY_COLUMNS]
     return {"conninfo": conninfo(), "key": settings.AUDIT_KEY, "batch_size": batch_size,
+            "records_batch": rules.RECORDS_BATCH,
             "head": [head.seq, head.hash] if head else None, "models": _models(),
             "entry_table": connection.ops.quote_name(AuditEntry._meta.db_table), "entry_columns": columns}
 

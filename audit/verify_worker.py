@@ -103,10 +103,11 @@ def connect(conninfo: str) -> psycopg.Connection:
 
 def check_range(job: dict[str, Any], report: Callable[[int], None]) -> dict[str, Any]:
     key, batch_size, lo, hi = job["key"], job["batch_size"], job["lo"], job["hi"]
+    most = job.get("records_batch") or walk.RECORDS_BATCH  # the chunks' cut, as the Django walk's
     head = walk.Head(*job["head"]) if job["head"] else None
     models: dict[str, dict[str, Any]] = job["models"]
     table, columns = job["entry_table"], job["entry_columns"]
-    seq = columns[walk.ENTRY_COLUMNS.index("seq")]
+    seq, records = columns[walk.ENTRY_COLUMNS.index("seq")], columns[walk.RECORDS]
     select = f"SELECT {', '.join(columns)} FROM {table} WHERE {seq} IS NOT NULL"
     if hi is not None:
         select += f" AND {seq} <= %(hi)s"
@@ -124,8 +125,12 @@ def check_range(job: dict[str, Any], report: Callable[[int], None]) -> dict[str,
         verified, last_hash = 0, None
         expected = 1 if lo is None else lo + 1
         while True:
-            query = select + (f" AND {seq} > %(after)s" if after is not None else "") + f" ORDER BY {seq} LIMIT %(n)s"
-            chunk = conn.execute(query, {"hi": hi, "after": after, "n": batch_size}).fetchall()
+            end = walk.chunk_end_sql("postgresql", table=table, seq=seq, records=records,
+                                     after="%(after)s" if after is not None else None, limit="%(n)s", most="%(most)s")
+            query = (select + (f" AND {seq} > %(after)s" if after is not None else "") + f" AND {seq} <= ({end})"
+                     + f" ORDER BY {seq} LIMIT %(n)s")
+            chunk = conn.execute(query, {"hi": hi, "after": after, "n": batch_size,
+                                         "most": most}).fetchall()
             if not chunk:
                 break
             index, why = walk.first_broken_link(chunk, key=key, prev_hash=prev_hash, expected=expected + verified,
@@ -139,7 +144,7 @@ def check_range(job: dict[str, Any], report: Callable[[int], None]) -> dict[str,
             after, prev_hash = chunk[-1][1], chunk[-1][-1]
             last_hash = prev_hash
             report(verified)
-            if len(chunk) < batch_size:
+            if walk.chunk_is_last(chunk, batch_size, most):
                 break
     return {"verified": verified, "start_prev": start_prev, "last_seq": after if verified else None,
             "last_hash": last_hash, "fault": None}

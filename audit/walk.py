@@ -137,6 +137,38 @@ def batches(pks: set[Any]) -> Iterator[list[Any]]:
         yield listed[start:start + RECORDS_BATCH]
 
 
+# A chunk's length in SQL: of the next ``batch_size`` sealed entries, those with fewer than RECORDS_BATCH
+# rows recorded before them in the chunk (the first always). So a chunk covers at most RECORDS_BATCH rows
+# plus its last entry's, however many consecutive entries each record thousands (212 verdicts.chained
+# entries of 5,000 verdicts in one chunk of 5,000 entries: 1.06 M records and their digests, 738 MB).
+# A records value that is not an array counts none: its MAC fails, the walk names it.
+RECORDS_LENGTH = {
+    "postgresql": "CASE WHEN jsonb_typeof({r}) = 'array' THEN jsonb_array_length({r}) ELSE 0 END",
+    "sqlite": "CASE WHEN json_valid({r}) THEN CASE WHEN json_type({r}) = 'array' THEN json_array_length({r}) "
+              "ELSE 0 END ELSE 0 END",
+}
+
+
+def chunk_end_sql(vendor: str, *, table: str, seq: str, records: str, after: str | None, limit: str,
+                  most: str) -> str:
+    """SQL for the last seq of the next chunk (NULL when no entry is left): the entries after ``after``
+    (a placeholder; None from the start), ``limit`` (batch_size) of them at most, cut where the rows
+    they record reach ``most`` (RECORDS_BATCH). A chunk cut short of ``limit`` so covers at least
+    ``most`` rows: one that covers fewer is the end of the chain (``chunk_is_last``)."""
+    where = f"{seq} IS NOT NULL" + (f" AND {seq} > {after}" if after is not None else "")
+    length = RECORDS_LENGTH[vendor].format(r=records)
+    return (f"SELECT MAX({seq}) FROM (SELECT {seq}, SUM(n) OVER (ORDER BY {seq} ROWS UNBOUNDED PRECEDING) - n "
+            f"AS before FROM (SELECT {seq}, {length} AS n FROM {table} WHERE {where} ORDER BY {seq} "
+            f"LIMIT {limit}) AS following) AS running WHERE before < {most}")
+
+
+def chunk_is_last(chunk: Sequence[tuple], batch_size: int, most: int) -> bool:
+    """Whether ``chunk`` (read with ``chunk_end_sql``'s bound ``most``) ends the entries: shorter than
+    asked and not cut by its records."""
+    return len(chunk) < batch_size and sum(
+        len(row[RECORDS]) if isinstance(row[RECORDS], list) else 0 for row in chunk) < most
+
+
 def wanted_records(chunk: Sequence[tuple]) -> dict[str, set[Any]]:
     """The rows a chunk's entries record: their pks by model label."""
     wanted: dict[str, set[Any]] = {}
