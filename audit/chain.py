@@ -238,7 +238,7 @@ def _walk(*, batch_size: int, progress: _Progress, head: Head | None, prev_hash:
         start = chunk[-1][1] if chunk else after
         end = RawSQL(_chunk_end_sql(start is not None), [*([] if start is None else [start]), batch_size,
                                                          walk.RECORDS_BATCH])
-        chunk = list((sealed.filter(seq__gt=start) if chunk else sealed).filter(seq__lte=end)[:batch_size])
+        chunk = list((sealed.filter(seq__gt=start) if chunk else sealed).filter(seq__lt=end)[:batch_size])
         if not chunk:
             break
         verified, why = walk.first_broken_link(chunk, key=settings.AUDIT_KEY, prev_hash=prev_hash,
@@ -258,7 +258,7 @@ def _walk(*, batch_size: int, progress: _Progress, head: Head | None, prev_hash:
 
 
 def _chunk_end_sql(after: bool) -> str:
-    """walk.chunk_end_sql for this database: the next chunk's last seq, its rows recorded bounded too."""
+    """walk.chunk_end_sql for this database: a bound on the next chunk's seq, so its rows recorded are too."""
     quote, fields = connection.ops.quote_name, {f.name: f.column for f in AuditEntry._meta.concrete_fields}
     return walk.chunk_end_sql(connection.vendor, table=quote(AuditEntry._meta.db_table), seq=quote(fields["seq"]),
                               records=quote(fields["records"]), after="%s" if after else None, limit="%s",

@@ -127,7 +127,7 @@ def check_range(job: dict[str, Any], report: Callable[[int], None]) -> dict[str,
         while True:
             end = walk.chunk_end_sql("postgresql", table=table, seq=seq, records=records,
                                      after="%(after)s" if after is not None else None, limit="%(n)s", most="%(most)s")
-            query = (select + (f" AND {seq} > %(after)s" if after is not None else "") + f" AND {seq} <= ({end})"
+            query = (select + (f" AND {seq} > %(after)s" if after is not None else "") + f" AND {seq} < {end}"
                      + f" ORDER BY {seq} LIMIT %(n)s")
             chunk = conn.execute(query, {"hi": hi, "after": after, "n": batch_size,
                                          "most": most}).fetchall()
