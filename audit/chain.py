@@ -344,11 +344,27 @@ def _entry(row: tuple) -> AuditEntry:
     return AuditEntry.objects.get(pk=row[0])
 
 
+def _chained_counts() -> dict:
+    """Each verdicts.chained entry's uid and the count under its MAC."""
+    return dict(AuditEntry.objects.filter(action=VERDICTS_CHAINED).values_list("uid", "data__count"))
+
+
 def _verdicts_fault(*, now: datetime | None = None) -> str:
     """What is wrong with the verdicts' cover, or "": each entry's count (under its MAC) against
     the verdicts marked with its uid, and verdicts left uncovered past the grace. (The digests of
-    the verdicts each entry records are checked with the chain.)"""
-    recorded = dict(AuditEntry.objects.filter(action=VERDICTS_CHAINED).values_list("uid", "data__count"))
+    the verdicts each entry records are checked with the chain.) The entries and the marks are read
+    in one snapshot: the sealer writes an entry and its marks in one transaction, and one committed
+    between two reads made a good chain fail."""
+    if connection.in_atomic_block or connection.vendor != "postgresql":  # a snapshot already, or SQLite's lock
+        return _cover_fault(now=now)
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        return _cover_fault(now=now)
+
+
+def _cover_fault(*, now: datetime | None) -> str:
+    recorded = _chained_counts()
     marked = dict(Verdict.objects.filter(chained_by__isnull=False).order_by().values("chained_by")
                   .annotate(n=Count("pk")).values_list("chained_by", "n"))
     for uid, count in recorded.items():

@@ -12,6 +12,7 @@ import secrets
 import uuid
 import subprocess
 import sys
+import threading
 import tracemalloc
 from collections.abc import Iterator
 from datetime import timedelta
@@ -573,3 +574,25 @@ def test_an_edited_recorded_row_of_an_entry_at_a_chunks_edge_is_caught(at):
     with pytest.raises(CommandError, match=rf"audit entry #{entry.seq} .*the historical agent key {history.pk} "
                                            rf"it records was altered"):
         verify("--chunk-size", "4")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_seal_committed_while_the_cover_is_read_is_no_fault(monkeypatch):
+    """verify_audit reads the verdicts.chained entries, then the verdicts' marks: a sealer committing
+    between the two (an entry and its marks, in one transaction) made a good chain fail with
+    "covered by an audit entry that does not exist". Both are read in one snapshot."""
+    write_sealed(1)
+    Verdict.objects.create(operation="refund.create", outcome=Verdict.Outcome.HELD, amount_minor=900_000,
+                           currency="USD", hold_reasons=["APPROVAL_REQUIRED"])
+    read_entries = chain._chained_counts
+
+    def then_the_sealer_commits():
+        counts = read_entries()
+        worker = threading.Thread(target=lambda: (chain.chain_verdicts(), connection.close()))
+        worker.start()
+        worker.join()
+        return counts
+
+    monkeypatch.setattr(chain, "_chained_counts", then_the_sealer_commits)
+    assert chain._verdicts_fault() == ""
+    assert Verdict.objects.filter(chained_by__isnull=False).count() == 1  # the sealer did commit in between
