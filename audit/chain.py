@@ -28,6 +28,7 @@ Our own code, not a library's: no maintained package keys and seals an append-on
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import re
@@ -292,13 +293,20 @@ def verify_chain(*, batch_size: int = 5000, progress_every: int | None = None, h
     if snapshot is None:
         return (yield from _verify(batch_size=batch_size, progress=_Progress(progress_every), head=head, now=now,
                                    processes=processes if in_parallel else 1, snapshot=None))
-    check_snapshot_id(snapshot)
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            cursor.execute(f"SET TRANSACTION SNAPSHOT '{snapshot}'")
+    with read_only_snapshot(snapshot):
         yield from _verify(batch_size=batch_size, progress=_Progress(progress_every), head=head, now=now,
                            processes=processes if in_parallel else 1, snapshot=snapshot)
+
+
+@contextlib.contextmanager
+def read_only_snapshot(snapshot: str | None = None) -> Iterator[None]:
+    """A read-only REPEATABLE READ transaction on this connection (PostgreSQL): every read in it sees one
+    moment; with ``snapshot`` (a ``pg_export_snapshot`` id) the moment another transaction exported."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        if snapshot is not None:
+            cursor.execute(f"SET TRANSACTION SNAPSHOT '{check_snapshot_id(snapshot)}'")
+        yield
 
 
 def check_snapshot_id(snapshot: str) -> str:
@@ -357,9 +365,7 @@ def _verdicts_fault(*, now: datetime | None = None) -> str:
     between two reads made a good chain fail."""
     if connection.in_atomic_block or connection.vendor != "postgresql":  # a snapshot already, or SQLite's lock
         return _cover_fault(now=now)
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+    with read_only_snapshot():
         return _cover_fault(now=now)
 
 

@@ -28,14 +28,14 @@ import psycopg
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from django.db import connection, connections, transaction
+from django.db import connection, connections
 from django.db.models import Exists, F, Func, OuterRef, Q, TextField
 from django.db.models.functions import Cast
 from django.template.loader import render_to_string
 from django.utils import timezone
 
 from audit import parallel, verify_worker
-from audit.chain import GENESIS, Head, check_snapshot_id, seal, verify_chain
+from audit.chain import GENESIS, Head, check_snapshot_id, read_only_snapshot, seal, verify_chain
 from audit.exports import csv_lines
 from audit.models import AuditEntry, Verdict
 from audit.parallel import default_processes
@@ -713,16 +713,14 @@ class _Snapshot:
             self.holder = psycopg.connect(parallel.conninfo(), autocommit=True)
             self.holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             self.id = self.holder.execute("SELECT pg_export_snapshot()").fetchone()[0]
-            check_snapshot_id(self.id)  # spelled into SET TRANSACTION SNAPSHOT below
+            check_snapshot_id(self.id)  # early: each stage spells it into SET TRANSACTION SNAPSHOT
 
     @contextmanager
     def stage(self):
         if self.id is None:
             yield
             return
-        with transaction.atomic(), connection.cursor() as cursor:
-            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            cursor.execute(f"SET TRANSACTION SNAPSHOT '{self.id}'")
+        with read_only_snapshot(self.id), connection.cursor() as cursor:
             cursor.execute("SET LOCAL jit = off")
             # Refunds paid hashes a quarter's verdicts and sorts ~1M rows: in 64 batches and on disk at
             # the default 4 MB (39 s for the query at 1,000,000 refunds), in 4 batches at 64 MB (22 s).
