@@ -181,3 +181,16 @@ def test_a_shadow_draft_never_breaks_a_live_refund(world, finance):
     answer = ask(world, 3_000)
     assert answer.status == 201
     assert shadow_of(answer, draft)["code"] == "DAILY_LIMIT_REACHED"
+
+
+@pytest.mark.parametrize("bad", [{"allowed_reasons": 5}, {"reason_thresholds": {"duplicate": "abc"}},
+                                 {"reason_thresholds": []}])
+def test_a_shadow_draft_stored_with_a_json_value_no_version_keeps_never_breaks_a_live_refund(world, finance, bad):
+    """Drafts written before create_draft refused them: as_version converts the scalar fields, not the
+    JSON ones, and the policy raised on them (TypeError, ValueError, AttributeError) inside the binding
+    request. A shadow is never enforced: such a draft is left out of the verdict's shadow, with a log line."""
+    draft = PolicyDraft.objects.create(kind="limits", currency="USD", values={
+        **{k: v for k, v in vars(active_limits("USD")).items() if k in draft_fields("limits")}, **bad})
+    set_shadow(draft_id=draft.pk, on=True, person=finance)
+    answer = ask(world, 3_000)
+    assert answer.status == 201

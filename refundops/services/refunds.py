@@ -11,6 +11,7 @@ from datetime import date, datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import DEFAULT_DB_ALIAS, connection, transaction
 from django.utils import timezone
 
@@ -295,10 +296,16 @@ def _shadow(drafts: list[PolicyDraft], decision: Decision, *, payment, ask: Refu
     that changes a window's length is judged on the active window here (its backtest too)."""
     seen = {}
     for draft in drafts:
-        mine = evaluate_refund(payment=payment, ask=ask, totals=totals, now=now, paused=paused,
-                               breaker_open=breaker_open, ledger_mismatch=ledger_mismatch,
-                               limits=draft.as_version() if draft.kind == PolicyDraft.Kind.LIMITS else limits,
-                               rules=draft.as_version() if draft.kind == PolicyDraft.Kind.RULES else rules)
+        try:
+            mine = evaluate_refund(payment=payment, ask=ask, totals=totals, now=now, paused=paused,
+                                   breaker_open=breaker_open, ledger_mismatch=ledger_mismatch,
+                                   limits=draft.as_version() if draft.kind == PolicyDraft.Kind.LIMITS else limits,
+                                   rules=draft.as_version() if draft.kind == PolicyDraft.Kind.RULES else rules)
+        except (TypeError, ValueError, AttributeError, ValidationError) as broken:
+            # A draft stored before create_draft refused values no version keeps (a JSON field as written):
+            # it is never enforced, so it never fails the binding decision; it is left out, and said.
+            log.warning("shadow draft %s left out of this decision: %s", draft.pk, broken)
+            continue
         seen[draft.pk] = {"kind": draft.kind, "outcome": mine.outcome, "code": mine.code,
                           "hold_reasons": mine.hold_reasons, "amount_minor": mine.amount_minor,
                           "agrees": _outcome_key(mine) == _outcome_key(decision)}
